@@ -1,0 +1,177 @@
+"""The token-mixing kernels behind one dispatch point: `kernels_for(device)`.
+
+Two implementations of one small interface, chosen once per device:
+- `TorchKernels`: plain torch, any device (the CPU reference). Its delta rule is the chunked form of the gated delta
+  rule (64-token chunks, float32), tested against transformers' own torch implementation.
+- `FlaKernels` (CUDA): fla's chunked gated delta rule and causal conv1d, FlashAttention through torch's varlen
+  attention where this torch has it (SDPA otherwise).
+
+Shapes (T = packed tokens, B = sequences, cu = int32 cumulative lengths [B+1]):
+- conv(x [1, T, C], w [C, W], cu) -> silu(causal depthwise conv) [1, T, C]; every sequence starts from zeros
+  (a continuation prepends its saved inputs itself).
+- delta(q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g, beta [1, T, Hv], init [B, Hv, Dk, Dv] f32 | None, cu)
+  -> (o [1, T, Hv, Dv], final [B, Hv, Dk, Dv] f32); q and k are L2-normalised inside; GVA when Hv > Hk.
+- attend_packed(q [T, Hq, D], k, v [T, Hkv, D], cu, max_len, scale) -> [T, Hq, D], causal within each sequence.
+- attend_span(q [L, Hq, D], k, v [P, Hkv, D], start (long scalar tensor), scale) -> [L, Hq, D]: query i sits at
+  position start + i and sees keys [0, start + i]. `start` stays on the device (graph-safe).
+This module knows nothing of checkpoints, layers or weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule_reference(q, k, v, g, beta, init=None, chunk: int = 64):
+    """One sequence of the gated delta rule in chunked form, float32.
+
+    q, k [T, H, Dk] (already repeated to the value heads), v [T, H, Dv], g, beta [T, H], init [H, Dk, Dv] | None
+    -> o [T, H, Dv], final [H, Dk, Dv]. The state decays by exp(g_t), then takes the delta-rule write
+    beta_t * (v_t - S^T k_t) k_t^T; the output reads q_t / sqrt(Dk) from the state after step t.
+    """
+    T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    q, k, v, g, beta = (t.float().transpose(0, 1) for t in (q, k, v, g, beta))  # [H, T, ...]
+    q = _l2norm(q) * Dk**-0.5
+    k = _l2norm(k)
+    S = torch.zeros(H, Dk, Dv, dtype=torch.float32, device=q.device) if init is None else init.float().clone()
+    out = torch.empty(H, T, Dv, dtype=torch.float32, device=q.device)
+    tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device)
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        n = e - s
+        qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]  # [H, n, *]
+        cg = g[:, s:e].cumsum(-1)  # [H, n]: log decay from the chunk start to each step
+        low = tri[:n, :n].tril()  # j <= i
+        dec = (cg[:, :, None] - cg[:, None, :]).masked_fill(~low, float("-inf")).exp()  # [H, n, n]: decay j -> i
+        # u_i = beta_i (v_i - S0^T k_i e^{cg_i} - sum_{j<i} dec_ij (k_i.k_j) u_j): a unit lower-triangular system
+        A = ((kc @ kc.transpose(-1, -2)) * dec).masked_fill(low.logical_not() | torch.eye(n, dtype=torch.bool, device=q.device), 0.0)
+        rhs = bc[..., None] * (vc - (kc * cg.exp()[..., None]) @ S)  # [H, n, Dv]
+        Lmat = torch.eye(n, device=q.device) + bc[..., None] * A
+        u = torch.linalg.solve_triangular(Lmat, rhs, upper=False, unitriangular=True)  # [H, n, Dv]
+        att = (qc @ kc.transpose(-1, -2)) * dec  # [H, n, n], j <= i
+        out[:, s:e] = (qc * cg.exp()[..., None]) @ S + att @ u
+        last = cg[:, -1]  # [H]
+        S = S * last.exp()[:, None, None] + (kc * (last[:, None] - cg).exp()[..., None]).transpose(-1, -2) @ u
+    return out.transpose(0, 1), S
+
+
+class TorchKernels:
+    """Plain torch kernels: the CPU reference (also runs on CUDA, slowly)."""
+
+    name = "torch"
+
+    def conv(self, x: torch.Tensor, w: torch.Tensor, cu: torch.Tensor | None = None) -> torch.Tensor:
+        W = w.shape[-1]
+        outs = []
+        bounds = cu.tolist() if cu is not None else [0, x.shape[1]]
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            xs = x[0, s:e].transpose(0, 1)[None]  # [1, C, n]
+            y = F.conv1d(F.pad(xs, (W - 1, 0)), w[:, None, :], groups=w.shape[0])  # [1, C, n]
+            outs.append(y[0].transpose(0, 1))
+        return F.silu(torch.cat(outs, 0))[None]
+
+    def delta(self, q, k, v, g, beta, init=None, cu=None):
+        rep = v.shape[2] // k.shape[2]
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        bounds = cu.tolist() if cu is not None else [0, q.shape[1]]
+        outs, finals = [], []
+        for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            o, S = delta_rule_reference(q[0, s:e], k[0, s:e], v[0, s:e], g[0, s:e], beta[0, s:e], None if init is None else init[b])
+            outs.append(o)
+            finals.append(S)
+        return torch.cat(outs, 0)[None].to(v.dtype), torch.stack(finals)
+
+    def attend_packed(self, q, k, v, cu, max_len: int, scale: float):
+        bounds = cu.tolist()
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            o = _sdpa(q[s:e], k[s:e], v[s:e], scale, causal=True)
+            outs.append(o)
+        return torch.cat(outs, 0)
+
+    def attend_span(self, q, k, v, start, scale: float):
+        L, P = q.shape[0], k.shape[0]
+        rows = torch.arange(L, device=q.device)[:, None]
+        cols = torch.arange(P, device=q.device)[None]
+        mask = cols <= start + rows  # [L, P]
+        return _sdpa(q, k, v, scale, mask=mask)
+
+
+def _sdpa(q, k, v, scale, causal=False, mask=None):
+    """q [L, Hq, D], k, v [S, Hkv, D] -> [L, Hq, D] (grouped heads expanded)."""
+    rep = q.shape[1] // k.shape[1]
+    qq, kk, vv = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if rep > 1:
+        kk, vv = kk.repeat_interleave(rep, dim=1), vv.repeat_interleave(rep, dim=1)
+    o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=causal, scale=scale)
+    return o[0].transpose(0, 1)
+
+
+class FlaKernels(TorchKernels):
+    """CUDA: fla's Triton kernels for the GDN layers, FlashAttention (torch varlen) for attention."""
+
+    name = "fla"
+
+    def __init__(self):
+        from fla.modules.convolution import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        self._conv = causal_conv1d
+        self._gdr = chunk_gated_delta_rule
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:  # older torch: SDPA paths of TorchKernels
+            varlen_attn = None
+        self._varlen = varlen_attn
+        params = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
+        self.varlen_gqa = "enable_gqa" in params  # torch 2.13 has it; 2.11 refuses it
+
+    def conv(self, x, w, cu=None):
+        y = self._conv(x, weight=w, bias=None, activation="silu", cu_seqlens=cu)
+        return y[0] if isinstance(y, tuple) else y
+
+    def delta(self, q, k, v, g, beta, init=None, cu=None):
+        o, S = self._gdr(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, cu_seqlens=None if cu is None else cu.long())
+        return o, S
+
+    def _heads(self, q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1 and not self.varlen_gqa:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return k, v, ({"enable_gqa": True} if rep > 1 and self.varlen_gqa else {})
+
+    def attend_packed(self, q, k, v, cu, max_len: int, scale: float):
+        if self._varlen is None:
+            return super().attend_packed(q, k, v, cu, max_len, scale)
+        k, v, kw = self._heads(q, k, v)
+        return self._varlen(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), **kw)
+
+    def attend_span(self, q, k, v, start, scale: float):
+        if self._varlen is None:
+            return super().attend_span(q, k, v, start, scale)
+        L, P = q.shape[0], k.shape[0]
+        zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+        cu_q = torch.cat([zero, zero + L])
+        cu_k = torch.cat([zero, (start + L).to(torch.int32).reshape(1)])  # causal aligned to the keys' end
+        k, v, kw = self._heads(q, k, v)
+        return self._varlen(q, k, v, cu_q, cu_k, L, P, scale=scale, window_size=(-1, 0), **kw)
+
+
+def kernels_for(device: torch.device | str) -> TorchKernels:
+    """fla + FlashAttention on CUDA when fla imports; the torch reference otherwise."""
+    if torch.device(device).type == "cuda":
+        try:
+            return FlaKernels()
+        except ImportError:
+            return TorchKernels()
+    return TorchKernels()

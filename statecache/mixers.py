@@ -1,0 +1,94 @@
+"""How a forward's stateful token mixing sees its tokens: the two views the model is run with.
+
+- `PackedMixer`: B independent sequences packed into T tokens (cu_seqlens), each starting from nothing: the
+  plain path.
+- `ChunkMixer`: one chunk of one sequence continuing from the saved state in a `ChunkState` (static buffers):
+  the conv runs over [saved inputs | chunk]; the delta rule starts from the saved S, with padding given g = 0 and
+  beta = 0 so S stops at the real end; attention writes the chunk's K/V at [start, start + L) and reads
+  [cached K/V | causal chunk]. Chunk start and real length are device tensors, so a CUDA graph captured once
+  serves every position.
+Neither knows weights or layers beyond the slot index `j` (GDN) / `a` (attention) it is handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class PackedMixer:
+    def __init__(self, kernels, cu: torch.Tensor, max_len: int):
+        self.k, self.cu, self.max_len = kernels, cu, max_len  # cu: int32 [B + 1]
+
+    def conv(self, j: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.k.conv(x[None], w, self.cu)[0]
+
+    def delta(self, j, q, k, v, g, beta):
+        o, _ = self.k.delta(q[None], k[None], v[None], g[None], beta[None], None, self.cu)
+        return o[0]
+
+    def attend(self, a, q, k, v, scale):
+        return self.k.attend_packed(q, k, v, self.cu, self.max_len, scale)
+
+
+@dataclass
+class ChunkState:
+    """The static buffers a chunk continues from and writes to (one sequence)."""
+
+    conv: torch.Tensor  # [G, W - 1, C]: the last W - 1 real conv inputs of each GDN layer
+    S: torch.Tensor  # [G, Hv, Dk, Dv] float32: each GDN layer's recurrent state
+    K: torch.Tensor  # [A, P_max, Hkv, D]: each attention layer's keys of [0, P_max)
+    V: torch.Tensor  # [A, P_max, Hkv, D]
+    start: torch.Tensor  # long scalar: the chunk's first position
+    real: torch.Tensor  # long scalar: the chunk's real (unpadded) length
+
+    @classmethod
+    def allocate(cls, cfg, max_pos: int, device, dtype) -> "ChunkState":
+        G, A = len(cfg.linear_layers), len(cfg.full_layers)
+        W = cfg.linear_conv_kernel_dim
+        z = lambda *s, dt=dtype: torch.zeros(*s, device=device, dtype=dt)  # noqa: E731
+        return cls(
+            conv=z(G, W - 1, cfg.conv_dim),
+            S=z(G, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, dt=torch.float32),
+            K=z(A, max_pos, cfg.num_key_value_heads, cfg.head_dim),
+            V=z(A, max_pos, cfg.num_key_value_heads, cfg.head_dim),
+            start=torch.zeros((), dtype=torch.long, device=device),
+            real=torch.zeros((), dtype=torch.long, device=device),
+        )
+
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.S.zero_()
+
+
+class ChunkMixer:
+    """One chunk of L (bucketed) tokens continuing from `st`; keys span [0, span)."""
+
+    def __init__(self, kernels, st: ChunkState, L: int, span: int):
+        self.k, self.st, self.L, self.span = kernels, st, L, span
+        dev = st.S.device
+        ar = torch.arange(L, device=dev)
+        self.pos = st.start + ar  # [L] absolute positions
+        self.live = ar < st.real  # [L] real tokens
+        W1 = st.conv.shape[1]
+        self.tail_idx = st.real + torch.arange(W1, device=dev)  # in [saved | chunk]: the last W - 1 real inputs
+
+    def conv(self, j: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        W1 = self.st.conv.shape[1]
+        xin = torch.cat([self.st.conv[j], x], 0)  # [W - 1 + L, C]
+        y = self.k.conv(xin[None], w)[0, W1:]  # [L, C]
+        self.st.conv[j].copy_(xin.index_select(0, self.tail_idx))
+        return y
+
+    def delta(self, j, q, k, v, g, beta):
+        g = g * self.live[:, None]  # padding: no decay
+        beta = beta * self.live[:, None].to(beta.dtype)  # padding: no write
+        o, S = self.k.delta(q[None], k[None], v[None], g[None], beta[None], self.st.S[j : j + 1], None)
+        self.st.S[j].copy_(S[0])
+        return o[0]
+
+    def attend(self, a, q, k, v, scale):
+        self.st.K[a].index_copy_(0, self.pos, k)
+        self.st.V[a].index_copy_(0, self.pos, v)
+        return self.k.attend_span(q, self.st.K[a, : self.span], self.st.V[a, : self.span], self.st.start, scale)

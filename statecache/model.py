@@ -1,0 +1,114 @@
+"""The Qwen3.5 text forward over fused weights: embedding, decoder layers, final norm and the letter head.
+
+A layer's token mixer (GDN or gated attention) does its projections, norms, gates and rotary embedding here, and
+hands the parts that carry state across tokens (the short conv, the delta rule, attention over keys) to a *mixer*
+(statecache.mixers): the plain packed batch, or a chunk continuing from saved state. So one forward serves the
+plain path, the cached chunked path and, later, batched hits. Logits are computed only at the answer slots and only
+for the option letters. This module knows nothing of checkpoints, graphs, rows or devices beyond its weights'.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import LINEAR
+from .loader import AttnWeights, GdnWeights, Weights
+
+
+def rmsnorm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm (w1 holds 1 + w, float32), computed in float32, returned in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1).to(x.dtype)
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN's output norm: plain weight w, normalised before the SiLU gate."""
+    xf = x.float()
+    y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the first cos.shape[-1] dims of x [T, heads, D]; cos, sin [T, R] (halves repeated)."""
+    R = cos.shape[-1]
+    xr, xp = x[..., :R], x[..., R:]
+    c, s = cos[:, None], sin[:, None]
+    x1, x2 = xr[..., : R // 2], xr[..., R // 2 :]
+    return torch.cat([xr * c + torch.cat([-x2, x1], -1) * s, xp], -1)
+
+
+class Qwen35:
+    """Fused-weight Qwen3.5 text model. `mix` objects supply the stateful parts (see statecache.mixers)."""
+
+    def __init__(self, weights: Weights):
+        self.w = weights
+        self.cfg = cfg = weights.cfg
+        self.eps = cfg.rms_norm_eps
+        self.dtype = weights.embed.dtype
+        self.device = weights.embed.device
+        R = cfg.rotary_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32, device=self.device) / R))
+        # index of each layer among its kind: GDN state slot j, attention K/V slot a
+        self.slot = {}
+        for kind_layers in (cfg.linear_layers, cfg.full_layers):
+            for j, i in enumerate(kind_layers):
+                self.slot[i] = j
+
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [T] (long) -> cos, sin [T, rotary_dim] in the model dtype."""
+        f = pos.float()[:, None] * self.inv_freq[None]
+        f = torch.cat([f, f], -1)
+        return f.cos().to(self.dtype), f.sin().to(self.dtype)
+
+    def gdn(self, i: int, x: torch.Tensor, mix) -> torch.Tensor:
+        cfg, m = self.cfg, self.w.layers[i].mixer
+        assert isinstance(m, GdnWeights)
+        T = x.shape[0]
+        C, vd, Hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
+        qkv, z, b, a = torch.split(x @ m.in_w.T, [C, vd, Hv, Hv], dim=-1)  # [T, C], [T, vd], [T, Hv] x2
+        qkv = mix.conv(self.slot[i], qkv, m.conv_w)  # [T, C] after SiLU
+        q, k, v = torch.split(qkv, [cfg.key_dim, cfg.key_dim, vd], dim=-1)
+        q = q.reshape(T, -1, cfg.linear_key_head_dim)  # [T, Hk, Dk]
+        k = k.reshape(T, -1, cfg.linear_key_head_dim)
+        v = v.reshape(T, -1, cfg.linear_value_head_dim)  # [T, Hv, Dv]
+        beta = b.sigmoid()  # [T, Hv]
+        g = -m.A_log.exp() * F.softplus(a.float() + m.dt_bias)  # [T, Hv] float32, log decay <= 0
+        o = mix.delta(self.slot[i], q, k, v, g, beta)  # [T, Hv, Dv]
+        o = gated_rmsnorm(o, z.reshape(T, Hv, -1), m.norm_w, self.eps)
+        return o.reshape(T, vd) @ m.out_w.T
+
+    def attn(self, i: int, x: torch.Tensor, mix, rope) -> torch.Tensor:
+        cfg, m = self.cfg, self.w.layers[i].mixer
+        assert isinstance(m, AttnWeights)
+        T, Hq, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg, k, v = torch.split(x @ m.qkv_w.T, [2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, gate = torch.chunk(qg.view(T, Hq, 2 * D), 2, dim=-1)  # [T, Hq, D] each
+        q = rmsnorm(q, m.q_norm, self.eps)
+        k = rmsnorm(k.view(T, Hkv, D), m.k_norm, self.eps)
+        cos, sin = rope
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        o = mix.attend(self.slot[i], q, k, v.view(T, Hkv, D), D**-0.5)  # [T, Hq, D]
+        return (o.reshape(T, Hq * D) * torch.sigmoid(gate.reshape(T, Hq * D))) @ m.o_w.T
+
+    def layer(self, i: int, h: torch.Tensor, mix, rope) -> torch.Tensor:
+        L = self.w.layers[i]
+        x = rmsnorm(h, L.in_norm, self.eps)
+        h = h + (self.gdn(i, x, mix) if L.kind == LINEAR else self.attn(i, x, mix, rope))
+        x = rmsnorm(h, L.post_norm, self.eps)
+        gate, up = (x @ L.gate_up_w.T).chunk(2, dim=-1)
+        return h + (F.silu(gate) * up) @ L.down_w.T
+
+    def body(self, ids: torch.Tensor, pos: torch.Tensor, mix) -> torch.Tensor:
+        """ids, pos [T] -> the last layer's hidden states [T, H] (before the final norm)."""
+        h = self.w.embed.index_select(0, ids)
+        rope = self.rope(pos)
+        for i in range(self.cfg.num_layers):
+            h = self.layer(i, h, mix, rope)
+        return h
+
+    def letter_probs(self, h: torch.Tensor, nopts: torch.Tensor) -> torch.Tensor:
+        """h [S, H] at the answer slots, nopts [S] -> probabilities [S, n_letters] (zero past each slot's nopts)."""
+        logits = (rmsnorm(h, self.w.final_norm, self.eps) @ self.w.letter_w.T).float()  # [S, n_letters]
+        cols = torch.arange(logits.shape[1], device=logits.device)
+        return torch.softmax(logits.masked_fill(cols[None] >= nopts[:, None], float("-inf")), -1)
