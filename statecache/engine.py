@@ -1,0 +1,197 @@
+"""The engine: a batch of rows in, one result per row out, in order; the one object the worker's GPU thread drives.
+
+For each batch: validate (and tokenise text rows), answer exact repeats from the memo, group the rest by their
+aligned state tokens, run each group through the state cache (its first row plants checkpoints, the rows
+behind it hit them), and pack what the cache declines into plain forwards. `backed_up` (the caller's view of
+the queue) decides whether a row with nothing to reuse may take the cached path: under backlog a singleton new
+state goes plain (throughput first); a state shared by several waiting rows is planted anyway.
+A bad row gets an error result; an exception while computing fails only the rows of that group.
+Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import string
+import time
+from collections import OrderedDict
+
+import torch
+
+from .cache import CacheSettings, StateCache
+from .kernels import kernels_for
+from .loader import load_weights
+from .memo import Memo, row_key
+from .model import Qwen35
+from .plain import PlainPath
+from .rows import RowError, check_row, error_result
+from .runner import ChunkRunner
+
+log = logging.getLogger("statecache.engine")
+LETTERS = list(string.ascii_uppercase)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    v = os.environ.get(name)
+    return default if v in (None, "") else int(v)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class Engine:
+    def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
+                 *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
+                 max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None):
+        if model_dir is None:
+            from .tiny import tiny_model_dir
+
+            model_dir = tiny_model_dir()
+        self.model_dir = str(model_dir)
+        self.device = torch.device(device or default_device())
+        if dtype is None:
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {dtype!r}: use float32 or bfloat16")
+        self.dtype = getattr(torch, dtype)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        ids = self.tokenizer.convert_tokens_to_ids(LETTERS)
+        unk = self.tokenizer.unk_token_id
+        if any(i is None or (unk is not None and i == unk) for i in ids):
+            raise ValueError(f"the tokenizer in {self.model_dir} lacks single tokens for the letters A-Z")
+        self.letter_ids: list[int] = list(ids)
+        t0 = time.perf_counter()
+        weights = load_weights(self.model_dir, self.letter_ids, self.device, self.dtype)
+        self.load_s = time.perf_counter() - t0
+        self.model = Qwen35(weights)
+        self.vocab_size = weights.cfg.vocab_size
+        self.kernels = kernels_for(self.device)
+        settings = settings or CacheSettings()
+        if cache_mb is not None:
+            settings.mb = cache_mb
+        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
+        self.cache = StateCache(self.runner, settings)
+        self.plain = PlainPath(self.model, self.kernels, plain_tokens)
+        self.memo = Memo(memo_entries)
+        self.max_row_tokens = max_row_tokens
+        self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
+
+    @classmethod
+    def from_env(cls, **kw) -> "Engine":
+        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7)."""
+        return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
+                   os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None), **kw)
+
+    # ---- a batch --------------------------------------------------------------------------------------------------
+
+    def answer(self, rows: list, backed_up: bool = False) -> list[dict]:
+        results: list[dict | None] = [None] * len(rows)
+        self.counts["batches"] += 1
+        todo = []  # (index, row, memo key)
+        for i, raw in enumerate(rows):
+            self.counts["rows"] += 1
+            try:
+                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer)
+            except RowError as e:
+                results[i] = self._error(e.code, e.message)
+                continue
+            except Exception as e:  # noqa: BLE001 - a row never takes the worker down
+                log.exception("row %d could not be prepared", i)
+                results[i] = self._error("bad_row", f"{type(e).__name__}: {e}")
+                continue
+            key = row_key(row["ids"], row["slots"], row["nopts"])
+            if (hit := self._memo(key)) is not None:
+                results[i] = hit
+            else:
+                todo.append((i, row, key))
+        plain = []
+        for members in self._groups(todo).values():
+            try:
+                plain += self._cached_group(members, backed_up, results)
+            except Exception as e:  # noqa: BLE001
+                log.exception("cached path failed")
+                for i, _, _ in members:
+                    if results[i] is None:
+                        results[i] = self._error("internal", f"{type(e).__name__}: {e}")
+        self._plain(plain, results)
+        return results  # type: ignore[return-value]
+
+    def _groups(self, todo) -> "OrderedDict[object, list]":
+        """Rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order."""
+        align = self.cache.s.align
+        groups: OrderedDict = OrderedDict()
+        for item in todo:
+            row = item[1]
+            p = row["state_len"] - row["state_len"] % align
+            k = ("s", tuple(row["ids"][:p])) if self.cache.eligible(row["ids"], row["state_len"], row["slots"]) else ("x", item[0])
+            groups.setdefault(k, []).append(item)
+        return groups
+
+    def _cached_group(self, members, backed_up: bool, results) -> list:
+        """Run a group's rows through the cache; returns those it declines (for the plain path)."""
+        declined = []
+        shared = len(members) > 1
+        self.cache.cold_ok = lambda: not backed_up
+        for i, row, key in members:
+            if (hit := self._memo(key)) is not None:  # the same row twice in one batch
+                results[i] = hit
+                continue
+            if not self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
+                declined.append((i, row, key))
+                continue
+            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], plant_anyway=shared)
+            if ans is None:
+                declined.append((i, row, key))
+                continue
+            res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+            self.memo.put(key, res)
+            results[i] = res
+        return declined
+
+    def _plain(self, items, results) -> None:
+        unique: OrderedDict = OrderedDict()
+        for i, row, key in items:
+            unique.setdefault(key, (row, []))[1].append(i)
+        if not unique:
+            return
+        try:
+            outs = self.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r, _ in unique.values()])
+        except Exception as e:  # noqa: BLE001
+            log.exception("plain path failed")
+            for _, idx in unique.values():
+                for i in idx:
+                    results[i] = self._error("internal", f"{type(e).__name__}: {e}")
+            return
+        for (key, (row, idx)), probs in zip(unique.items(), outs):
+            res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
+            self.memo.put(key, res)
+            self.counts["plain"] += 1
+            self.counts["plain_tokens"] += len(row["ids"])
+            for k, i in enumerate(idx):
+                results[i] = res if k == 0 else self._memo(key)
+
+    def _memo(self, key) -> dict | None:
+        hit = self.memo.get(key)
+        if hit is None:
+            return None
+        self.counts["memo"] += 1
+        hit.update(path="memo", reused=0, computed=0)
+        return hit
+
+    def _error(self, code: str, message: str) -> dict:
+        self.counts["errors"] += 1
+        return error_result(code, message)
+
+    def stats(self) -> dict:
+        c = self.cache.info()
+        return {**{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
+                "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
+                "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c}

@@ -1,0 +1,175 @@
+"""Runs one chunk of one row from the static state buffers: eagerly (CPU), or as one CUDA graph replay.
+
+Graphs are keyed by (bucketed chunk length, attention span) only; chunk start, real length, answer slots and
+their option counts live in device buffers read inside the graph, so one graph serves every row and position.
+All graphs share one memory pool. Capturing runs the chunk twice to warm up, which overwrites the state buffers:
+callers `ensure` every shape a row needs *before* restoring its checkpoint. A shape that fails to capture is
+remembered as failed and reported through `ensure` (the row then takes the plain path).
+This module knows nothing of checkpoints, rows' tokens beyond the chunk it is handed, or eviction.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .mixers import ChunkMixer, ChunkState
+
+CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # chunk lengths a graph is captured for (tokens)
+
+
+def bucket(n: int, sizes) -> int | None:
+    for b in sizes:
+        if n <= b:
+            return b
+    return None
+
+
+@dataclass
+class _Graph:
+    ids: torch.Tensor  # [L] long
+    slots: torch.Tensor  # [max_slots] long, relative to the chunk start
+    nopts: torch.Tensor  # [max_slots] long
+    out: torch.Tensor  # [max_slots, n_letters] float32 probabilities
+    graph: "torch.cuda.CUDAGraph | None"
+
+
+class NotCaptured(Exception):
+    """A chunk shape could not be captured as a CUDA graph."""
+
+
+class ChunkRunner:
+    def __init__(self, model, kernels, *, max_pos: int = 8192, span_step: int = 1024, max_slots: int = 4,
+                 graphs: bool | None = None, pad: bool | None = None, chunks=CHUNKS):
+        self.model, self.kernels = model, kernels
+        self.device = model.device
+        self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
+        self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)  # bucket chunk lengths
+        self.chunks = tuple(chunks)
+        self.spans = tuple(range(span_step, max_pos + 1, span_step))
+        self.max_pos = self.spans[-1]
+        self.max_slots = max_slots
+        self.st = ChunkState.allocate(model.cfg, self.max_pos, self.device, model.dtype)
+        self.graphs: dict[tuple[int, int], _Graph | None] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.stats = {"captures": 0, "capture_s": 0.0, "capture_failed": 0}
+        self.failures: list[str] = []
+
+    @property
+    def max_chunk(self) -> int:
+        return self.chunks[-1]
+
+    def shape(self, s: int, e: int) -> tuple[int, int] | None:
+        """(chunk length, span) of chunk [s, e); None when it is longer than the largest chunk or span."""
+        L = bucket(e - s, self.chunks) if self.pad else e - s
+        if L is None or L > self.max_chunk:
+            return None
+        span = bucket(s + L, self.spans)
+        return None if span is None else (L, span)
+
+    # ---- the chunk forward ----------------------------------------------------------------------------------------
+
+    def _forward(self, ids, slots, nopts, L: int, span: int) -> torch.Tensor:
+        mix = ChunkMixer(self.kernels, self.st, L, span)
+        h = self.model.body(ids, mix.pos, mix)  # [L, H]
+        return self.model.letter_probs(h.index_select(0, slots), nopts)  # [max_slots, n_letters]
+
+    def _buffers(self, L: int) -> _Graph:
+        dev = self.device
+        return _Graph(
+            ids=torch.zeros(L, dtype=torch.long, device=dev),
+            slots=torch.zeros(self.max_slots, dtype=torch.long, device=dev),
+            nopts=torch.full((self.max_slots,), 2, dtype=torch.long, device=dev),
+            out=None, graph=None)
+
+    def _capture(self, L: int, span: int) -> _Graph | None:
+        t0 = time.perf_counter()
+        g = self._buffers(L)
+        self.st.start.fill_(0)
+        self.st.real.fill_(L)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(2):
+                    self._forward(g.ids, g.slots, g.nopts, L, span)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+                g.out = self._forward(g.ids, g.slots, g.nopts, L, span)
+            g.graph = graph
+        except Exception as e:  # noqa: BLE001 - the shape stays uncaptured; rows needing it take the plain path
+            torch.cuda.synchronize()
+            self.failures.append(f"({L}, {span}): {type(e).__name__}: {str(e)[:200]}")
+            self.stats["capture_failed"] += 1
+            g = None
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
+        return g
+
+    def ensure(self, chunks: list[tuple[int, int]]) -> bool:
+        """Capture the graphs for these chunks [(s, e)] now (before any restore). False if one cannot be run."""
+        for s, e in chunks:
+            key = self.shape(s, e)
+            if key is None:
+                return False
+            if not self.use_graphs:
+                continue
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+            if self.graphs[key] is None:
+                return False
+        return True
+
+    def precapture(self, progress=sys.stderr) -> dict:
+        """Capture every (chunk, span) graph now, printing progress; returns the count and seconds spent."""
+        t0 = time.perf_counter()
+        keys = [(L, P) for P in self.spans for L in self.chunks if L <= P]
+        for n, key in enumerate(keys, 1):
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+            if progress is not None:
+                print(f"\rprecapture {n}/{len(keys)} graphs ({time.perf_counter() - t0:.1f} s)", end="", file=progress, flush=True)
+        if progress is not None:
+            print(file=progress)
+        return {"graphs": sum(g is not None for g in self.graphs.values()), "seconds": round(time.perf_counter() - t0, 2),
+                "failed": self.failures[:3]}
+
+    def run(self, ids, s: int, e: int, slots=None, nopts=None) -> torch.Tensor:
+        """Chunk [s, e) of ids (a sequence of ints) from the current state -> probabilities [max_slots, n_letters]
+        at `slots` (absolute positions in [s, e)); rows past len(slots) are padding."""
+        key = self.shape(s, e)
+        if key is None:
+            raise NotCaptured(f"chunk [{s}, {e}) has no shape")
+        L, span = key
+        n = e - s
+        ids_t = torch.as_tensor(ids[s:e], dtype=torch.long)
+        sl = torch.zeros(self.max_slots, dtype=torch.long)
+        no = torch.full((self.max_slots,), 2, dtype=torch.long)
+        if slots:
+            sl[: len(slots)] = torch.as_tensor([x - s for x in slots])
+            no[: len(nopts)] = torch.as_tensor(nopts)
+        self.st.start.fill_(s)
+        self.st.real.fill_(n)
+        if not self.use_graphs:
+            buf = torch.zeros(L, dtype=torch.long)
+            buf[:n] = ids_t
+            with torch.no_grad():
+                return self._forward(buf.to(self.device), sl.to(self.device), no.to(self.device), L, span)
+        g = self.graphs.get(key)
+        if g is None:
+            raise NotCaptured(f"no graph for {key}")
+        g.ids[n:].zero_()
+        g.ids[:n].copy_(ids_t, non_blocking=True)
+        g.slots.copy_(sl, non_blocking=True)
+        g.nopts.copy_(no, non_blocking=True)
+        g.graph.replay()
+        return g.out
+
+    def reset_graphs(self) -> None:
+        self.graphs.clear()
+        if self.use_graphs:
+            self.pool = torch.cuda.graph_pool_handle()
