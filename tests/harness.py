@@ -1,0 +1,132 @@
+"""Run the real worker for tests: in-process (a thread with its own event loop, any engine) or as a
+subprocess (`python -m arq worker.WorkerSettings`, configured by environment, killable)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import redis as redis_sync
+from arq.worker import create_worker
+
+from worker.config import Config
+from worker.settings import worker_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.01):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(every_s)
+
+
+class InProcessWorker:
+    """The arq worker with `worker_settings(config)`, running in a thread until the `with` block ends."""
+
+    def __init__(self, redis_url: str, queue_name: str, make_engine, **config):
+        self.config = Config(redis_url=redis_url, queue_name=queue_name, **config)
+        self.make_engine = make_engine
+        self.worker = None
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> "InProcessWorker":
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._thread.start()
+        wait_for(lambda: self.error or (self.worker and "gpu" in self.worker.ctx), 60, "the worker to start")
+        if self.error:
+            raise self.error
+        return self
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(asyncio.new_event_loop())
+        try:
+            self.worker = create_worker(
+                worker_settings(self.config),
+                handle_signals=False,
+                ctx={"config": self.config, "make_engine": self.make_engine},
+            )
+            self.worker.run()
+        except BaseException as e:  # reported to the test
+            self.error = e
+
+    @property
+    def gpu(self):
+        return self.worker.ctx["gpu"]
+
+    @property
+    def engine(self):
+        return self.gpu.engine
+
+    def __exit__(self, *exc) -> None:
+        worker = self.worker
+        if worker is not None and not worker.loop.is_closed():
+            worker.loop.call_soon_threadsafe(worker.handle_sig, signal.SIGUSR1)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "the in-process worker did not stop"
+
+
+def health_key(queue_name: str) -> str:
+    return queue_name + ":health-check"
+
+
+class WorkerProcess:
+    """`python -m arq worker.WorkerSettings` with the given environment; stderr goes to a log file."""
+
+    def __init__(self, redis_url: str, queue_name: str, log_path: Path, **env):
+        self.redis_url, self.queue_name, self.log_path = redis_url, queue_name, log_path
+        self.env = {
+            **os.environ,
+            "REDIS_URL": redis_url,
+            "STATECACHE_QUEUE": queue_name,
+            "STATECACHE_HEALTH_INTERVAL_S": "0.2",
+            "PYTHONPATH": str(ROOT),
+            **{k: str(v) for k, v in env.items()},
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, ready_timeout_s: float = 120) -> "WorkerProcess":
+        r = redis_sync.Redis.from_url(self.redis_url)
+        r.delete(health_key(self.queue_name))
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "arq", "worker.WorkerSettings"], cwd=ROOT, env=self.env, stdout=self._log, stderr=self._log
+        )
+        try:
+            wait_for(
+                lambda: self.proc.poll() is not None or r.exists(health_key(self.queue_name)),
+                ready_timeout_s,
+                "the worker's health key",
+                every_s=0.05,
+            )
+        finally:
+            r.close()
+        assert self.proc.poll() is None, f"worker exited early:\n{self.log()}"
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if getattr(self, "_log", None):
+            self._log.close()
