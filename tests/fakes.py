@@ -84,3 +84,24 @@ class FakeEngine:
 
     def stats(self) -> dict:
         return {"rows": sum(self.counts.values()), **{p: self.counts[p] for p in ("memo", "hit", "partial", "cold", "plain")}}
+
+
+class GatedEngine:
+    """A real engine behind a gate: while `gate` is clear, `answer` waits, so rows pile up in the worker
+    (an artificial backlog). Records `(rows, backed_up)` per call; everything else is the inner engine's."""
+
+    def __init__(self, inner):
+        self.__dict__.update(inner=inner, gate=threading.Event(), calls=[], entered=0)
+        self.gate.set()
+
+    def answer(self, rows: list, backed_up: bool = False) -> list[dict]:
+        self.__dict__["entered"] += 1
+        self.gate.wait()
+        self.calls.append((len(rows), backed_up))
+        return self.inner.answer(rows, backed_up=backed_up)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
