@@ -150,14 +150,17 @@ class FlaKernels(TorchKernels):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return k, v, ({"enable_gqa": True} if rep > 1 and self.varlen_gqa else {})
 
+    def _flash(self, q) -> bool:
+        return self._varlen is not None and q.dtype in (torch.float16, torch.bfloat16)  # FlashAttention: half only
+
     def attend_packed(self, q, k, v, cu, max_len: int, scale: float):
-        if self._varlen is None:
+        if not self._flash(q):
             return super().attend_packed(q, k, v, cu, max_len, scale)
         k, v, kw = self._heads(q, k, v)
         return self._varlen(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), **kw)
 
     def attend_span(self, q, k, v, start, scale: float):
-        if self._varlen is None:
+        if not self._flash(q):
             return super().attend_span(q, k, v, start, scale)
         L, P = q.shape[0], k.shape[0]
         zero = torch.zeros(1, dtype=torch.int32, device=q.device)

@@ -61,7 +61,44 @@ class CheckpointError(ValueError):
     """The checkpoint folder is incomplete or does not match its config."""
 
 
-class _Files:
+class _Source:
+    """name -> tensor on the device in the asked dtype; `fused` concatenates rows into one new tensor."""
+
+    device: torch.device
+
+    def has(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fused(self, names: list[str], dtype: torch.dtype) -> torch.Tensor:
+        """Concatenate rows of several matrices into one preallocated tensor (one copy on the device)."""
+        parts = [self.get(n, dtype) for n in names]
+        out = torch.empty(sum(p.shape[0] for p in parts), parts[0].shape[1], dtype=dtype, device=self.device)
+        r = 0
+        for p in parts:
+            out[r : r + p.shape[0]].copy_(p)
+            r += p.shape[0]
+        return out
+
+
+class _StateDict(_Source):
+    """An in-memory state dict (e.g. transformers' own model's): tensors moved and cast on demand."""
+
+    def __init__(self, sd: dict, device: torch.device):
+        self.sd, self.device = sd, device
+
+    def has(self, name: str) -> bool:
+        return name in self.sd
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        if name not in self.sd:
+            raise CheckpointError(f"weight {name!r} missing from the state dict")
+        return self.sd[name].to(device=self.device, dtype=dtype)
+
+
+class _Files(_Source):
     """name -> tensor across one or many safetensors files, each read once, straight to the device."""
 
     def __init__(self, model_dir: Path, device: torch.device):
@@ -94,23 +131,21 @@ class _Files:
             self._open[fname] = h
         return h.get_tensor(name).to(dtype)
 
-    def fused(self, names: list[str], dtype: torch.dtype) -> torch.Tensor:
-        """Concatenate rows of several matrices into one preallocated tensor (one copy on the device)."""
-        parts = [self.get(n, dtype) for n in names]
-        out = torch.empty(sum(p.shape[0] for p in parts), parts[0].shape[1], dtype=dtype, device=self.device)
-        r = 0
-        for p in parts:
-            out[r : r + p.shape[0]].copy_(p)
-            r += p.shape[0]
-            del p
-        return out
-
 
 def load_weights(model_dir: str | Path, letter_ids: list[int], device="cpu", dtype=torch.float32) -> Weights:
+    """A checkpoint folder's text weights, fused, on `device` in `dtype`."""
     model_dir = Path(model_dir)
-    cfg = load_config(model_dir)
     device = torch.device(device)
-    files = _Files(model_dir, device)
+    return _build(load_config(model_dir), _Files(model_dir, device), letter_ids, dtype)
+
+
+def weights_from_state_dict(cfg: TextConfig, sd: dict, letter_ids: list[int], device="cpu", dtype=torch.float32) -> Weights:
+    """The same from an in-memory state dict named as in a checkpoint (benchmarks build it from transformers)."""
+    return _build(cfg, _StateDict(sd, torch.device(device)), letter_ids, dtype)
+
+
+def _build(cfg: TextConfig, files: _Source, letter_ids: list[int], dtype: torch.dtype) -> Weights:
+    device = files.device
     pre = cfg.weight_prefix
     f32 = torch.float32
 

@@ -20,12 +20,13 @@ import torch
 class PackedMixer:
     def __init__(self, kernels, cu: torch.Tensor, max_len: int):
         self.k, self.cu, self.max_len = kernels, cu, max_len  # cu: int32 [B + 1]
+        self.seq_cu = cu if cu.numel() > 2 else None  # one sequence: the GDN kernels' plain (non-varlen) form
 
     def conv(self, j: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.k.conv(x[None], w, self.cu)[0]
+        return self.k.conv(x[None], w, self.seq_cu)[0]
 
     def delta(self, j, q, k, v, g, beta):
-        o, _ = self.k.delta(q[None], k[None], v[None], g[None], beta[None], None, self.cu)
+        o, _ = self.k.delta(q[None], k[None], v[None], g[None], beta[None], None, self.seq_cu)
         return o[0]
 
     def attend(self, a, q, k, v, scale):

@@ -1,0 +1,297 @@
+"""GPU benchmark and agreement check on real Qwen3.5 shapes with random weights (one device run does it all).
+
+For each shape (0.8B, 2B, 9B by default) in bf16, side by side with transformers' Qwen3_5ForCausalLM built in the
+same process from the same weights:
+- agreement: our plain forward (bf16) vs a float32 run of the same (bf16-rounded) weights, our cached forward vs
+  our plain one, and transformers' answer, as max |dp| over the option probabilities;
+- one uncached row of 4096 state + 64 question tokens: our plain path, our cold cached path (chunk graphs, planting
+  checkpoints), transformers' forward;
+- a hit (the same 4096-token state, a new 64-token question), the grown-state (tail) and middle-change (stride)
+  partial rows, and transformers continuing from a copy of its own cache.
+Also checks fla / varlen kernels against the torch reference first. Writes results JSON under --out.
+
+Run on the device machine (see bench/README.md):  python3 bench/gpu_bench.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from statecache.cache import CacheSettings, StateCache  # noqa: E402
+from statecache.config import parse_config  # noqa: E402
+from statecache.kernels import FlaKernels, TorchKernels  # noqa: E402
+from statecache.loader import weights_from_state_dict  # noqa: E402
+from statecache.model import Qwen35  # noqa: E402
+from statecache.plain import PlainPath  # noqa: E402
+from statecache.runner import ChunkRunner  # noqa: E402
+
+R: dict = {}
+OUT: Path
+
+
+def save():
+    (OUT / "gpu_bench.json").write_text(json.dumps(R, indent=1))
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def timed(fn, reps=5, warm=2):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(1000 * (time.perf_counter() - t))
+    return round(statistics.median(ts), 2)
+
+
+def maxdiff(a, b):
+    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
+
+
+def env():
+    from torch.nn.attention import varlen
+
+    sig = inspect.signature(varlen.varlen_attn).parameters
+    import fla
+
+    R["env"] = {"torch": torch.__version__, "fla": getattr(fla, "__version__", "?"), "gpu": torch.cuda.get_device_name(),
+                "varlen_params": [p for p in ("enable_gqa", "seqused_k", "block_table") if p in sig]}
+    log("env", R["env"])
+
+
+def kernel_checks():
+    torch.manual_seed(0)
+    ref, fk = TorchKernels(), FlaKernels()
+    dev = "cuda"
+    out = {}
+    T, Hk, Hv, Dk, Dv = 200, 2, 4, 64, 64
+    q, k = torch.randn(1, T, Hk, Dk, device=dev), torch.randn(1, T, Hk, Dk, device=dev)
+    v = torch.randn(1, T, Hv, Dv, device=dev)
+    g = -torch.rand(1, T, Hv, device=dev) * 0.5
+    beta = torch.rand(1, T, Hv, device=dev)
+    init = torch.randn(2, Hv, Dk, Dv, device=dev) * 0.1
+    cu = torch.tensor([0, 77, 200], dtype=torch.int32, device=dev)
+    o1, s1 = ref.delta(q, k, v, g, beta, init, cu)
+    o2, s2 = fk.delta(q, k, v, g, beta, init, cu)
+    out["delta_varlen_init"] = [float((o1 - o2).abs().max()), float((s1 - s2).abs().max())]
+    o1, s1 = ref.delta(q, k, v, g, beta, init[:1])
+    o2, s2 = fk.delta(q, k, v, g, beta, init[:1])
+    out["delta_one_init"] = [float((o1 - o2).abs().max()), float((s1 - s2).abs().max())]
+    x, w = torch.randn(1, T, 96, device=dev), torch.randn(96, 4, device=dev)
+    out["conv_varlen"] = float((ref.conv(x, w, cu) - fk.conv(x, w, cu)).abs().max())
+    out["conv"] = float((ref.conv(x, w) - fk.conv(x, w)).abs().max())
+    bf = torch.bfloat16
+    qa, ka, va = (torch.randn(T, n, 64, device=dev, dtype=bf) for n in (8, 2, 2))
+    out["attend_packed"] = float((ref.attend_packed(qa, ka, va, cu, 123, 0.125).float() - fk.attend_packed(qa, ka, va, cu, 123, 0.125).float()).abs().max())
+    Kc, Vc = torch.randn(512, 2, 64, device=dev, dtype=bf), torch.randn(512, 2, 64, device=dev, dtype=bf)
+    start = torch.tensor(130, device=dev)
+    out["attend_span"] = float((ref.attend_span(qa[:64], Kc, Vc, start, 0.125).float() - fk.attend_span(qa[:64], Kc, Vc, start, 0.125).float()).abs().max())
+    R["kernel_checks"] = out
+    log("kernels", out)
+
+
+def build_hf(shape_name):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from statecache.checkpoints import real_shape
+
+    cfgd = real_shape(shape_name)
+    hcfg = Qwen3_5TextConfig(**cfgd)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = Qwen3_5ForCausalLM(hcfg)
+    with torch.no_grad():  # every parameter off its init so convention slips show
+        for name, p in hf.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    hf = hf.to(torch.bfloat16).eval()
+    cfg = parse_config(hf.config.to_dict())
+    return hf, cfg
+
+
+def bench_shape(name, args):
+    res = R.setdefault("shapes", {}).setdefault(name, {})
+    t0 = time.perf_counter()
+    hf, cfg = build_hf(name)
+    res["build_s"] = round(time.perf_counter() - t0, 1)
+    letters = list(range(32, 58))
+    sd = {k: v for k, v in hf.state_dict().items()}
+    w16 = weights_from_state_dict(cfg, sd, letters, "cuda", torch.bfloat16)
+    m16 = Qwen35(w16)
+    fk = FlaKernels()
+    plain16 = PlainPath(m16, fk)
+    g = torch.Generator().manual_seed(1)
+    V = cfg.vocab_size
+    state = torch.randint(0, V, (4096,), generator=g).tolist()
+    q = lambda i: torch.randint(0, V, (64,), generator=torch.Generator().manual_seed(100 + i)).tolist()  # noqa: E731
+    ids = state + q(0)
+    slots, nopts = [len(ids) - 1, len(ids) - 20], [4, 8]
+    row = (ids, slots, nopts)
+    p16 = plain16.forward([row])[0]
+    res["plain_ms"] = timed(lambda: plain16.forward([row]))
+    log(name, "plain bf16", res["plain_ms"], "ms")
+    if name in args.profile.split(","):
+        profile(f"plain_{name}", lambda: plain16.forward([row]))
+    # transformers on the same weights
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        lg = hf(x).logits[0].float()
+        hp = [torch.softmax(lg[s, letters][:o], -1).tolist() for s, o in zip(slots, nopts)]
+        res["hf_vs_ours_bf16"] = maxdiff(hp, p16)
+        res["hf_uncached_ms"] = timed(lambda: hf(x, logits_to_keep=1))
+    log(name, "hf uncached", res["hf_uncached_ms"], "ms", "agree", res["hf_vs_ours_bf16"])
+    # float32 run of the same weights
+    if not args.skip_f32:
+        w32 = weights_from_state_dict(cfg, sd, letters, "cuda", torch.float32)
+        p32 = PlainPath(Qwen35(w32), fk).forward([row])[0]
+        res["bf16_vs_f32"] = maxdiff(p16, p32)
+        log(name, "bf16 vs f32", res["bf16_vs_f32"])
+        del w32
+        torch.cuda.empty_cache()
+    # transformers continuing from a copy of its own cache
+    with torch.no_grad():
+        out = hf(torch.tensor([state], device="cuda"), use_cache=True)
+        kv = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        qx = torch.tensor([q(0)], device="cuda")
+
+        def hf_hit():
+            c = copy.deepcopy(kv)
+            return hf(qx, past_key_values=c, use_cache=True, logits_to_keep=1)
+        try:
+            res["hf_hit_ms"] = timed(hf_hit)
+        except Exception as e:  # noqa: BLE001
+            res["hf_hit_error"] = f"{type(e).__name__}: {e}"[:300]
+        del out, kv
+    log(name, "hf continue from cache copy", res.get("hf_hit_ms"), res.get("hf_hit_error", ""))
+    # the state cache
+    runner = ChunkRunner(m16, fk, max_pos=8192, max_slots=4)
+    cache = StateCache(runner, CacheSettings(mb=args.cache_mb))
+    t = time.perf_counter()
+    a = cache.row(*row_args(ids, 4096, slots, nopts))
+    torch.cuda.synchronize()
+    res["first_cold_with_capture_ms"] = round(1000 * (time.perf_counter() - t), 1)
+    res["captures"] = dict(runner.stats)
+    res["cold_path"] = a.path if a else None
+    res["cached_vs_plain_bf16"] = maxdiff(a.probs, p16) if a else None
+    if not args.skip_f32 and a:
+        res["cached_vs_f32"] = maxdiff(a.probs, p32)
+
+    def cold():
+        cache.clear()
+        return cache.row(*row_args(ids, 4096, slots, nopts))
+    res["cold_ms"] = timed(cold, reps=3, warm=1)
+    log(name, "cold cached", res["cold_ms"], "ms", runner.stats)
+    cache.clear()
+    cache.row(*row_args(ids, 4096, slots, nopts))
+    hits = [state + q(i) for i in range(1, 12)]
+    hp_ = {}
+    k = iter(range(100))
+
+    def hit():
+        i = next(k) % len(hits)
+        a = cache.row(*row_args(hits[i], 4096, [4159], [4]))
+        hp_["path"] = a.path
+        return a
+    res["hit_ms"] = timed(hit, reps=10, warm=2)
+    if name in args.profile.split(","):
+        profile(f"hit_{name}", hit)
+        profile(f"cold_{name}", cold)
+    res["hit_path"] = hp_["path"]
+    h = cache.row(*row_args(ids, 4096, slots, nopts))
+    res["hit_vs_plain_bf16"] = maxdiff(h.probs, p16)
+    log(name, "hit", res["hit_ms"], "ms", res["hit_path"], "agree", res["hit_vs_plain_bf16"])
+    # grown state (last tokens changed: restores p - tail) and middle change (restores the stride checkpoint)
+    cnt = iter(range(1000))
+
+    def grown():
+        j = next(cnt)
+        s2 = state[:4090] + torch.randint(0, V, (30,), generator=torch.Generator().manual_seed(500 + j)).tolist()
+        a = cache.row(*row_args(s2 + q(0), len(s2), [len(s2) + 63], [4]))
+        res["grown_path"], res["grown_reused"] = a.path, a.reused
+    res["grown_ms"] = timed(grown, reps=5, warm=1)
+
+    def middle():
+        j = next(cnt)
+        s2 = list(state)
+        s2[3000] = (s2[3000] + 1 + j) % V
+        a = cache.row(*row_args(s2 + q(0), 4096, [4159], [4]))
+        res["middle_path"], res["middle_reused"] = a.path, a.reused
+    res["middle_ms"] = timed(middle, reps=5, warm=1)
+    # agreement of a partial row with the plain path
+    s2 = state[:4090] + q(7)[:30]
+    r2 = (s2 + q(0), [len(s2) + 63], [4])
+    a = cache.row(r2[0], len(s2), r2[1], r2[2])
+    res["partial_vs_plain_bf16"] = maxdiff(a.probs, plain16.forward([r2])[0])
+    res["cache_info"] = cache.info()
+    log(name, "grown", res["grown_ms"], res["grown_path"], res["grown_reused"], "middle", res["middle_ms"], res["middle_path"], res["middle_reused"])
+    res["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    del hf, w16, m16, runner, cache, sd
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def profile(tag, fn):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    ka = p.key_averages()
+    text = ka.table(sort_by="cuda_time_total", row_limit=30) + "\n\n" + ka.table(sort_by="cpu_time_total", row_limit=30)
+    (OUT / f"profile_{tag}.txt").write_text(text)
+
+
+def row_args(ids, state_len, slots, nopts):
+    return ids, state_len, slots, nopts
+
+
+def main():
+    global OUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--shapes", default="0.8B,2B,9B")
+    ap.add_argument("--cache-mb", type=int, default=8192)
+    ap.add_argument("--skip-f32", action="store_true")
+    ap.add_argument("--profile", default="9B,0.8B", help="shapes whose plain forward is profiled")
+    args = ap.parse_args()
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    for step in [env, kernel_checks]:
+        try:
+            step()
+        except Exception:  # noqa: BLE001
+            R.setdefault("errors", []).append(traceback.format_exc()[-2000:])
+            log(traceback.format_exc())
+        save()
+    for name in args.shapes.split(","):
+        try:
+            with torch.no_grad():
+                bench_shape(name, args)
+        except Exception:  # noqa: BLE001
+            R.setdefault("errors", []).append(f"{name}: " + traceback.format_exc()[-2000:])
+            log(traceback.format_exc())
+        save()
+    log(json.dumps(R, indent=1))
+
+
+if __name__ == "__main__":
+    main()
