@@ -1,0 +1,272 @@
+"""Checkpoint bookkeeping for the state cache: which saved model states exist, and which to evict.
+
+A *group* is what one row planted: its state tokens ``ids[0:p)`` and one payload all its checkpoints share
+(the attention K/V of ``[0, p)``). A *checkpoint* is the model state after the group's tokens ``[0, pos)``,
+with its own payload (recurrent states, conv tails, ...). The index answers "the deepest checkpoint whose
+tokens equal this row's tokens", keeps an LRU order over checkpoints, counts bytes (every checkpoint, plus
+each live group once) and evicts least recently used checkpoints down to a budget; a group goes with its
+last checkpoint.
+
+Lookup is token-exact: a prefix digest (blake2b of the int64 token bytes) keyed with the position finds
+candidates, and ``numpy.array_equal`` on the tokens decides, so a digest collision can cost a comparison but
+never give a state of other tokens.
+
+What this module does NOT know: tensors, devices, dtypes, the model, how a payload is made, restored or freed.
+Payloads are opaque; the index only holds references to them and drops those references on eviction (the
+memory goes once the caller drops its own). No torch import, no locking (it is driven from one thread).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(eq=False, slots=True, repr=False)
+class Group:
+    """The checkpoints planted by one row: its state tokens ``ids[0:p)`` and the payload (K/V of [0, p)) they share."""
+
+    ids: np.ndarray  # int64, read-only
+    payload: object
+    nbytes: int  # bytes of payload, counted once while the group is live
+    ckpts: list[Checkpoint] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return f"Group(len={len(self.ids)}, nbytes={self.nbytes}, ckpts={[c.pos for c in self.ckpts]})"
+
+
+@dataclass(eq=False, slots=True, repr=False)
+class Checkpoint:
+    """The model state after tokens ``[0, pos)`` of its group, made with specialist ``route`` (0 = trunk)."""
+
+    group: Group
+    pos: int
+    payload: object
+    nbytes: int
+    route: int = 0
+    used: int = field(default=0, init=False)  # recency tick (larger = more recent); the index sets it
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(pos={self.pos}, route={self.route}, nbytes={self.nbytes})"
+
+
+def _as_ids(ids: object) -> np.ndarray:
+    """The tokens as a 1-D contiguous int64 array (no copy when they already are one)."""
+    a = np.asarray(ids)
+    if a.ndim != 1:
+        raise ValueError(f"ids must be 1-D, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"ids must be integers, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class CheckpointIndex:
+    """Checkpoints by (position, tokens), an LRU order over them, and a byte budget.
+
+    ``bytes`` counts every live checkpoint and every live group once. A group is live from ``add_group`` until
+    its last checkpoint is dropped (evicted or replaced), or until ``evict`` finds it without checkpoints.
+    ``digest_size`` (bytes of blake2b, 1..64) exists for tests: a tiny one makes candidates collide, and 0 keys
+    by position alone (every checkpoint at a position is a candidate; the tokens decide).
+    """
+
+    def __init__(self, budget_bytes: int, align: int = 64, *, digest_size: int = 16) -> None:
+        if align < 1:
+            raise ValueError(f"align must be >= 1, got {align}")
+        if not 0 <= digest_size <= 64:
+            raise ValueError(f"digest_size must be in 0..64, got {digest_size}")
+        self.budget_bytes = int(budget_bytes)
+        self.align = int(align)
+        self._digest_size = int(digest_size)
+        self._clock = 0
+        self._bytes = 0
+        self._groups: dict[Group, None] = {}  # live groups, insertion-ordered
+        self._lru: OrderedDict[Checkpoint, None] = OrderedDict()  # least recent first
+        self._buckets: dict[tuple[int, bytes], list[Checkpoint]] = {}  # (pos, digest of ids[:pos]) -> candidates
+        self._pos_count: dict[int, int] = {}  # live checkpoints per position
+        self._positions: list[int] = []  # sorted keys of _pos_count
+
+    # ---- reading ---------------------------------------------------------------------------------------------------
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def n_groups(self) -> int:
+        return len(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def lru_order(self) -> list[Checkpoint]:
+        """The live checkpoints, least recently used first."""
+        return list(self._lru)
+
+    def lookup(self, ids: object, limit: int, route: int | None = None) -> Checkpoint | None:
+        """The deepest checkpoint with ``pos <= limit`` whose group's tokens equal ``ids[:pos]`` (and of ``route``
+        when given); among several at that depth (other routes), the most recently used. Does not touch the LRU."""
+        x = _as_ids(ids)
+        top = min(int(limit), len(x))
+        end = bisect.bisect_right(self._positions, top)
+        if end == 0:
+            return None
+        positions = self._positions[:end]
+        digests: list[bytes] = [b""] * end
+        if self._digest_size:
+            h = hashlib.blake2b(digest_size=self._digest_size)
+            done = 0
+            for i, k in enumerate(positions):  # one pass over x[:deepest], a digest where some checkpoint is
+                h.update(x[done:k])
+                done = k
+                digests[i] = h.digest()
+        for k, d in zip(reversed(positions), reversed(digests)):
+            best: Checkpoint | None = None
+            for c in self._buckets.get((k, d), ()):
+                if route is not None and c.route != route:
+                    continue
+                if (best is None or c.used > best.used) and np.array_equal(c.group.ids[:k], x[:k]):
+                    best = c
+            if best is not None:
+                return best
+        return None
+
+    # ---- writing ---------------------------------------------------------------------------------------------------
+
+    def add_group(self, ids: object, payload: object, nbytes: int) -> Group:
+        """A new live group over a copy of ``ids``; its ``nbytes`` count from now on."""
+        a = _as_ids(ids).copy()
+        a.setflags(write=False)
+        g = Group(a, payload, int(nbytes))
+        self._groups[g] = None
+        self._bytes += g.nbytes
+        return g
+
+    def add_checkpoint(self, group: Group, pos: int, payload: object, nbytes: int, route: int = 0) -> Checkpoint:
+        """A checkpoint at ``pos`` of a live group, most recently used. One already present with the same
+        (pos, tokens, route) is replaced: dropped, its bytes (and its group's, if that was its last) freed."""
+        if group not in self._groups:
+            raise ValueError("group is not live (evicted, replaced away or cleared)")
+        pos = int(pos)
+        if pos <= 0 or pos > len(group.ids) or pos % self.align:
+            raise ValueError(f"pos {pos} must be a multiple of {self.align} in (0, {len(group.ids)}]")
+        head = group.ids[:pos]
+        bucket = self._buckets.setdefault((pos, self._digest(head)), [])
+        old = next((c for c in bucket if c.route == route and np.array_equal(c.group.ids[:pos], head)), None)
+        c = Checkpoint(group, pos, payload, int(nbytes), int(route))
+        bucket.append(c)
+        group.ckpts.append(c)
+        self._lru[c] = None
+        self._stamp(c)
+        self._bytes += c.nbytes
+        n = self._pos_count.get(pos, 0)
+        if n == 0:
+            bisect.insort(self._positions, pos)
+        self._pos_count[pos] = n + 1
+        if old is not None:  # after adding, so a group replacing its own checkpoint is never emptied
+            self._drop(old)
+        return c
+
+    def touch(self, ckpt: Checkpoint) -> None:
+        """Mark a checkpoint most recently used; a checkpoint no longer live is ignored."""
+        if ckpt in self._lru:
+            self._lru.move_to_end(ckpt)
+            self._stamp(ckpt)
+
+    def evict(self) -> list[Checkpoint]:
+        """Drop groups without checkpoints, then least recently used checkpoints until ``bytes <= budget_bytes``
+        (a group goes with its last one). Returns the evicted checkpoints, least recent first."""
+        for g in [g for g in self._groups if not g.ckpts]:
+            self._drop_group(g)
+        out: list[Checkpoint] = []
+        while self._lru and self._bytes > self.budget_bytes:
+            c = next(iter(self._lru))
+            self._drop(c)
+            out.append(c)
+        return out
+
+    def clear(self) -> None:
+        """Forget everything (groups and checkpoints become not live)."""
+        self._groups.clear()
+        self._lru.clear()
+        self._buckets.clear()
+        self._pos_count.clear()
+        self._positions.clear()
+        self._bytes = 0
+
+    # ---- internals -------------------------------------------------------------------------------------------------
+
+    def _digest(self, head: np.ndarray) -> bytes:
+        if not self._digest_size:
+            return b""
+        return hashlib.blake2b(head, digest_size=self._digest_size).digest()
+
+    def _stamp(self, c: Checkpoint) -> None:
+        self._clock += 1
+        c.used = self._clock
+
+    def _drop(self, c: Checkpoint) -> None:
+        del self._lru[c]
+        key = (c.pos, self._digest(c.group.ids[: c.pos]))
+        bucket = self._buckets[key]
+        bucket.remove(c)  # identity (eq=False)
+        if not bucket:
+            del self._buckets[key]
+        n = self._pos_count[c.pos] - 1
+        if n:
+            self._pos_count[c.pos] = n
+        else:
+            del self._pos_count[c.pos]
+            del self._positions[bisect.bisect_left(self._positions, c.pos)]
+        self._bytes -= c.nbytes
+        g = c.group
+        g.ckpts.remove(c)
+        if not g.ckpts:
+            self._drop_group(g)
+
+    def _drop_group(self, g: Group) -> None:
+        del self._groups[g]
+        self._bytes -= g.nbytes
+
+
+def plan_chunks(start: int, state_len: int, *, stride: int, tail: int, align: int, max_chunk: int) -> list[int]:
+    """The chunk ends of a row's state computed from a restored position ``start`` (0 = nothing restored), which
+    are also the checkpoint positions to plant.
+
+    With ``p = state_len`` rounded down to ``align``: every multiple of ``stride`` below ``p``, ``p - tail`` and
+    ``p``, each rounded down to ``align``, only those ``> start``, sorted; then a chunk longer than ``max_chunk``
+    is split at ``a + k * max_chunk`` from its own start ``a`` (those ends are planted too). ``stride`` 0 or
+    ``tail`` 0 disable those positions. ``[]`` when ``p <= start``.
+    """
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    if max_chunk < align or max_chunk % align:
+        raise ValueError(f"max_chunk {max_chunk} must be a positive multiple of align {align}")
+    if start < 0 or start % align:
+        raise ValueError(f"start {start} must be a non-negative multiple of align {align}")
+    if stride < 0 or tail < 0:
+        raise ValueError("stride and tail must be >= 0")
+
+    def down(v: int) -> int:
+        return v - v % align
+
+    p = down(state_len)
+    if p <= start:
+        return []
+    ends = {p}
+    if stride:
+        ends.update(down(k) for k in range(stride, p, stride))
+    if tail:
+        ends.add(down(p - tail))
+    out: list[int] = []
+    s = start
+    for e in sorted(v for v in ends if v > start):
+        while e - s > max_chunk:
+            s += max_chunk
+            out.append(s)
+        out.append(e)
+        s = e
+    return out
