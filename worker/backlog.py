@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+
+from arq.utils import timestamp_ms
 
 from worker import constants as C
 
@@ -41,7 +42,7 @@ class Backlog:
         return self.waiting(local_rows) > self.threshold_rows
 
     async def read(self) -> int:
-        ready = await self.redis.zcount(self.queue_name, "-inf", int(time.time() * 1000))
+        ready = await self.redis.zcount(self.queue_name, "-inf", timestamp_ms())  # arq's clock, as its scores
         self.queued = max(0, ready - self.in_flight)
         return self.queued
 
