@@ -104,10 +104,13 @@ async def through_queue(url: str, queue: str, warm: list, seq: list, burst: list
     async with await Client.connect(url, queue, timeout_s=600) as client:
         await queue_times(client, warm)
         ms, paths = await queue_times(client, seq)
+        busy0 = (await client.stats())["worker"]["busy_s"]
         jobs_per_s = await queue_throughput(client, burst, agents)
+        busy_s = (await client.stats())["worker"]["busy_s"] - busy0
         memo_jobs_per_s = await queue_throughput(client, burst * 4, agents)  # answered from the memo: the queue's own rate
         stats = await client.stats()
-    return {"ms": ms, "paths": paths, "jobs_per_s": jobs_per_s, "memo_jobs_per_s": memo_jobs_per_s, "worker_stats": stats}
+    return {"ms": ms, "paths": paths, "jobs_per_s": jobs_per_s, "memo_jobs_per_s": memo_jobs_per_s,
+            "burst_engine_busy_s": busy_s, "worker_stats": stats}
 
 
 def by_path(ms: list[float], paths: list[str]) -> dict:
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": {
             "agents": args.agents,
             "queue_jobs_per_s": round(q["jobs_per_s"], 2),
+            "queue_engine_busy_fraction": round(q["burst_engine_busy_s"] * q["jobs_per_s"] / len(burst), 3),
             "direct_rows_per_s_one_call": round(direct_rows_per_s, 2),
             "direct_rows_per_s_one_at_a_time": round(1e3 * len(one_ms) / sum(one_ms), 2),
             "queue_jobs_per_s_memo_rows": round(q["memo_jobs_per_s"], 2),

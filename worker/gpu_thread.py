@@ -68,7 +68,7 @@ class GpuThread:
         self._start_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.engine: Any = None
-        self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "backed_up_batches": 0, "engine_errors": 0}
+        self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "backed_up_batches": 0, "engine_errors": 0, "busy_s": 0.0}
 
     # --- event-loop side ---------------------------------------------------------------------------------
 
@@ -161,12 +161,14 @@ class GpuThread:
         backed_up = bool(self._backed_up(len(rows) + self.pending()))
         t0 = time.perf_counter()
         results = self._answer([item.payload for item in rows], backed_up)
+        busy_s = time.perf_counter() - t0
         c = self.counters
+        c["busy_s"] += busy_s
         c["batches"] += 1
         c["rows"] += len(rows)
         c["largest_batch"] = max(c["largest_batch"], len(rows))
         c["backed_up_batches"] += backed_up
-        log.debug("batch of %d rows (backed_up=%s) in %.1f ms", len(rows), backed_up, 1e3 * (time.perf_counter() - t0))
+        log.debug("batch of %d rows (backed_up=%s) in %.1f ms", len(rows), backed_up, 1e3 * busy_s)
         for item, result in zip(rows, results):
             item.resolve(result)
 
