@@ -203,7 +203,7 @@ def bench_shape(name, args):
     cache.row(*row_args(ids, 4096, slots, nopts))
     hits = [state + q(i) for i in range(1, 12)]
     hp_ = {}
-    k = iter(range(100))
+    k = iter(range(1000))
 
     def hit():
         i = next(k) % len(hits)
@@ -241,6 +241,25 @@ def bench_shape(name, args):
     a = cache.row(r2[0], len(s2), r2[1], r2[2])
     res["partial_vs_plain_bf16"] = maxdiff(a.probs, plain16.forward([r2])[0])
     res["cache_info"] = cache.info()
+    if args.compile:  # the same with the elementwise pieces fused by torch.compile
+        try:
+            t = time.perf_counter()
+            m16.compile_elementwise()
+            pc = plain16.forward([row])[0]
+            res["compiled_first_call_s"] = round(time.perf_counter() - t, 1)
+            res["compiled_plain_vs_eager"] = maxdiff(pc, p16)
+            res["compiled_plain_ms"] = timed(lambda: plain16.forward([row]))
+            log(name, "compiled plain", res["compiled_plain_ms"], "ms")
+            runner.reset_graphs()
+            cache.clear()
+            res["compiled_cold_ms"] = timed(cold, reps=3, warm=1)
+            res["compiled_hit_ms"] = timed(hit, reps=10, warm=2)
+            hc = cache.row(*row_args(ids, 4096, slots, nopts))
+            res["compiled_hit_vs_plain"] = maxdiff(hc.probs, p16)
+            log(name, "compiled cold", res["compiled_cold_ms"], "hit", res["compiled_hit_ms"], hc.path)
+        except Exception:  # noqa: BLE001
+            res["compile_error"] = traceback.format_exc()[-1500:]
+            log(res["compile_error"])
     log(name, "grown", res["grown_ms"], res["grown_path"], res["grown_reused"], "middle", res["middle_ms"], res["middle_path"], res["middle_reused"])
     res["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     del hf, w16, m16, runner, cache, sd
@@ -271,6 +290,7 @@ def main():
     ap.add_argument("--shapes", default="0.8B,2B,9B")
     ap.add_argument("--cache-mb", type=int, default=8192)
     ap.add_argument("--skip-f32", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also time with torch.compile'd elementwise pieces")
     ap.add_argument("--profile", default="9B,0.8B", help="shapes whose plain forward is profiled")
     args = ap.parse_args()
     OUT = Path(args.out)

@@ -29,6 +29,17 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: flo
     return (y * F.silu(gate.float())).to(x.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation: [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """a, b [T, Hv] -> log decay g (float32, <= 0) and write strength beta (model dtype)."""
+    return -A_log.exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on the first cos.shape[-1] dims of x [T, heads, D]; cos, sin [T, R] (halves repeated)."""
     R = cos.shape[-1]
@@ -54,6 +65,15 @@ class Qwen35:
         for kind_layers in (cfg.linear_layers, cfg.full_layers):
             for j, i in enumerate(kind_layers):
                 self.slot[i] = j
+        # the elementwise pieces; `compile_elementwise` swaps in fused (torch.compile) versions on the GPU
+        self.norm, self.gnorm, self.rot, self.act, self.gates = rmsnorm, gated_rmsnorm, rotate, silu_mul, gdn_gates
+
+    def compile_elementwise(self) -> None:
+        """Fuse the elementwise pieces with torch.compile (Triton): one kernel each instead of several."""
+        def c(fn):
+            return torch.compile(fn, dynamic=True, fullgraph=True)
+        self.norm, self.gnorm, self.rot, self.act, self.gates = (
+            c(rmsnorm), c(gated_rmsnorm), c(rotate), c(silu_mul), c(gdn_gates))
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [T] (long) -> cos, sin [T, rotary_dim] in the model dtype."""
@@ -72,10 +92,9 @@ class Qwen35:
         q = q.reshape(T, -1, cfg.linear_key_head_dim)  # [T, Hk, Dk]
         k = k.reshape(T, -1, cfg.linear_key_head_dim)
         v = v.reshape(T, -1, cfg.linear_value_head_dim)  # [T, Hv, Dv]
-        beta = b.sigmoid()  # [T, Hv]
-        g = -m.A_log.exp() * F.softplus(a.float() + m.dt_bias)  # [T, Hv] float32, log decay <= 0
+        g, beta = self.gates(a, b, m.A_log, m.dt_bias)  # [T, Hv] each: float32 log decay <= 0, model dtype
         o = mix.delta(self.slot[i], q, k, v, g, beta)  # [T, Hv, Dv]
-        o = gated_rmsnorm(o, z.reshape(T, Hv, -1), m.norm_w, self.eps)
+        o = self.gnorm(o, z.reshape(T, Hv, -1), m.norm_w, self.eps)
         return o.reshape(T, vd) @ m.out_w.T
 
     def attn(self, i: int, x: torch.Tensor, mix, rope) -> torch.Tensor:
@@ -84,20 +103,19 @@ class Qwen35:
         T, Hq, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qg, k, v = torch.split(x @ m.qkv_w.T, [2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = torch.chunk(qg.view(T, Hq, 2 * D), 2, dim=-1)  # [T, Hq, D] each
-        q = rmsnorm(q, m.q_norm, self.eps)
-        k = rmsnorm(k.view(T, Hkv, D), m.k_norm, self.eps)
+        q = self.norm(q, m.q_norm, self.eps)
+        k = self.norm(k.view(T, Hkv, D), m.k_norm, self.eps)
         cos, sin = rope
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = self.rot(q, cos, sin), self.rot(k, cos, sin)
         o = mix.attend(self.slot[i], q, k, v.view(T, Hkv, D), D**-0.5)  # [T, Hq, D]
         return (o.reshape(T, Hq * D) * torch.sigmoid(gate.reshape(T, Hq * D))) @ m.o_w.T
 
     def layer(self, i: int, h: torch.Tensor, mix, rope) -> torch.Tensor:
         L = self.w.layers[i]
-        x = rmsnorm(h, L.in_norm, self.eps)
+        x = self.norm(h, L.in_norm, self.eps)
         h = h + (self.gdn(i, x, mix) if L.kind == LINEAR else self.attn(i, x, mix, rope))
-        x = rmsnorm(h, L.post_norm, self.eps)
-        gate, up = (x @ L.gate_up_w.T).chunk(2, dim=-1)
-        return h + (F.silu(gate) * up) @ L.down_w.T
+        x = self.norm(h, L.post_norm, self.eps)
+        return h + self.act(x @ L.gate_up_w.T) @ L.down_w.T
 
     def body(self, ids: torch.Tensor, pos: torch.Tensor, mix) -> torch.Tensor:
         """ids, pos [T] -> the last layer's hidden states [T, H] (before the final norm)."""
@@ -109,6 +127,6 @@ class Qwen35:
 
     def letter_probs(self, h: torch.Tensor, nopts: torch.Tensor) -> torch.Tensor:
         """h [S, H] at the answer slots, nopts [S] -> probabilities [S, n_letters] (zero past each slot's nopts)."""
-        logits = (rmsnorm(h, self.w.final_norm, self.eps) @ self.w.letter_w.T).float()  # [S, n_letters]
+        logits = (self.norm(h, self.w.final_norm, self.eps) @ self.w.letter_w.T).float()  # [S, n_letters]
         cols = torch.arange(logits.shape[1], device=logits.device)
         return torch.softmax(logits.masked_fill(cols[None] >= nopts[:, None], float("-inf")), -1)
