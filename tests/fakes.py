@@ -88,16 +88,18 @@ class FakeEngine:
 
 class GatedEngine:
     """A real engine behind a gate: while `gate` is clear, `answer` waits, so rows pile up in the worker
-    (an artificial backlog). Records `(rows, backed_up)` per call; everything else is the inner engine's."""
+    (an artificial backlog); `delay_s` more per call keeps rows in flight for a while. Records
+    `(rows, backed_up)` per call; everything else is the inner engine's."""
 
-    def __init__(self, inner):
-        self.__dict__.update(inner=inner, gate=threading.Event(), calls=[], entered=0)
+    def __init__(self, inner, delay_s: float = 0.0):
+        self.__dict__.update(inner=inner, gate=threading.Event(), calls=[], entered=0, delay_s=delay_s)
         self.gate.set()
 
     def answer(self, rows: list, backed_up: bool = False) -> list[dict]:
         self.__dict__["entered"] += 1
         self.gate.wait()
         self.calls.append((len(rows), backed_up))
+        time.sleep(self.delay_s)
         return self.inner.answer(rows, backed_up=backed_up)
 
     def __getattr__(self, name):
@@ -137,3 +139,11 @@ def build_tokenizer(chat_template: str | None = CHATML):
 def text_engine() -> FakeEngine:
     """A fake engine that reads text rows too (STATECACHE_ENGINE=tests.fakes:text_engine)."""
     return FakeEngine(tokenizer=build_tokenizer())
+
+
+def slow_engine() -> GatedEngine:
+    """The real engine (STATECACHE_MODEL etc.), half a second slower per batch: rows stay in flight
+    long enough for a signal to land among them (STATECACHE_ENGINE=tests.fakes:slow_engine)."""
+    from statecache.engine import Engine
+
+    return GatedEngine(Engine.from_env(), delay_s=0.5)

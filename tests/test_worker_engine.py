@@ -252,7 +252,8 @@ def test_killed_worker_loses_no_job(redis_url, queue_name, tmp_path):
 
 def test_sigterm_drains_in_flight_rows(redis_url, queue_name, tmp_path):
     rows = plain_rows("term", 8, steps=4)
-    proc = WorkerProcess(redis_url, queue_name, tmp_path / "w.log", STATECACHE_DRAIN_S=30).start()
+    env = dict(STATECACHE_DRAIN_S=30, STATECACHE_ENGINE="tests.fakes:slow_engine")  # the tiny model, 0.5 s a batch more
+    proc = WorkerProcess(redis_url, queue_name, tmp_path / "w.log", **env).start()
     timing = {}
 
     def during(tasks):
@@ -274,3 +275,31 @@ def test_sigterm_drains_in_flight_rows(redis_url, queue_name, tmp_path):
     r = redis_sync.Redis.from_url(redis_url)
     assert r.zcard(queue_name) == 0 and not r.exists(queue_name + ":health-check")
     r.close()
+
+
+def test_sigterm_wait_is_bounded_and_the_rest_requeues(redis_url, queue_name, tmp_path):
+    """A short drain: rows still waiting when it ends are cancelled back to the queue; the next worker answers them."""
+    rows = plain_rows("bound", 8, steps=3)
+    env = dict(STATECACHE_DRAIN_S=0.3, STATECACHE_ENGINE="tests.fakes:slow_engine", STATECACHE_MAX_JOBS=2)
+    first = WorkerProcess(redis_url, queue_name, tmp_path / "w1.log", **env).start()
+    second = WorkerProcess(redis_url, queue_name, tmp_path / "w2.log", **env)
+    timing = {}
+
+    def during(tasks):
+        wait_for(lambda: jobs_started(first) >= 2, 60, "two jobs to be taken")
+        t0 = time.monotonic()
+        first.signal(signal.SIGTERM)
+        timing["rc"] = first.wait(30)
+        timing["exit_s"] = time.monotonic() - t0
+        timing["done"] = sum(t.done() for t in tasks)
+        second.start()
+
+    try:
+        results = run(answers_across(redis_url, queue_name, rows, during))
+    finally:
+        first.stop()
+        second.stop()
+    log = first.log()
+    assert timing["rc"] == 0 and timing["exit_s"] < 5, (timing, log)  # 0.3 s drain + the batch it was running
+    assert timing["done"] < len(rows) and "cancelled, will be run again" in log
+    assert all("probs" in r for r in results)  # nothing lost: the second worker answered the rest
