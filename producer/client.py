@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from typing import Any, Iterable
@@ -70,8 +71,12 @@ class Client:
 
     @classmethod
     async def connect(
-        cls, redis_url: str = C.REDIS_URL, queue_name: str = C.QUEUE_NAME, timeout_s: float = C.ANSWER_TIMEOUT_S
+        cls, redis_url: str | None = None, queue_name: str | None = None, timeout_s: float = C.ANSWER_TIMEOUT_S
     ) -> "Client":
+        """Connect to the queue at `redis_url` (default: $REDIS_URL, else localhost) named `queue_name`
+        (default: $STATECACHE_QUEUE, else statecache:queue)."""
+        redis_url = redis_url or os.environ.get(C.ENV_REDIS_URL) or C.REDIS_URL
+        queue_name = queue_name or os.environ.get(C.ENV_QUEUE) or C.QUEUE_NAME
         pool = await create_pool(
             RedisSettings.from_dsn(redis_url),
             job_serializer=serialize,

@@ -115,6 +115,12 @@ class WorkerProcess:
         assert self.proc.poll() is None, f"worker exited early:\n{self.log()}"
         return self
 
+    def check(self) -> int:
+        """`arq worker.WorkerSettings --check` with this worker's environment: 0 while it serves the queue."""
+        return subprocess.run(
+            [sys.executable, "-m", "arq", "worker.WorkerSettings", "--check"], cwd=ROOT, env=self.env, capture_output=True
+        ).returncode
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 

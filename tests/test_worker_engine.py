@@ -117,8 +117,11 @@ def test_followers_of_a_new_state_are_hits(live):
 
     results = run(main())
     assert live.engine.calls == [(3, False)]  # one batch, not backed up
-    assert [r["path"] for r in results] == ["cold", "hit", "hit"]
-    assert results[1]["reused"] > 0 and results[1]["computed"] < results[0]["computed"]
+    # the jobs reach the worker in whatever order their enqueues finished: one of them plants the state
+    cold = [r for r in results if r["path"] == "cold"]
+    hits = [r for r in results if r["path"] == "hit"]
+    assert len(cold) == 1 and len(hits) == 2
+    assert all(h["reused"] > 0 and h["computed"] < cold[0]["computed"] for h in hits)
 
 
 def test_backlog_new_singletons_go_plain_shared_states_are_planted(redis_url, queue_name):
@@ -139,7 +142,8 @@ def test_backlog_new_singletons_go_plain_shared_states_are_planted(redis_url, qu
 
         under_load, alone = run(main())
         assert w.engine.calls == [(1, False)]
-    assert [r["path"] for r in under_load] == ["plain", "plain", "cold", "hit"]
+    paths = [r["path"] for r in under_load]
+    assert paths[:2] == ["plain", "plain"] and sorted(paths[2:]) == ["cold", "hit"], paths
     assert alone["path"] == "cold"  # one agent asking is no backlog: its new state is planted
 
 
@@ -239,6 +243,7 @@ def test_killed_worker_loses_no_job(redis_url, queue_name, tmp_path):
         first.wait(10)
         done_at_kill.append(sum(t.done() for t in tasks))
         second.start()
+        assert second.check() == 0  # the health check the compose file uses
 
     try:
         results = run(answers_across(redis_url, queue_name, rows, during))
@@ -275,6 +280,7 @@ def test_sigterm_drains_in_flight_rows(redis_url, queue_name, tmp_path):
     r = redis_sync.Redis.from_url(redis_url)
     assert r.zcard(queue_name) == 0 and not r.exists(queue_name + ":health-check")
     r.close()
+    assert proc.check() == 1  # no worker: unhealthy
 
 
 def test_sigterm_wait_is_bounded_and_the_rest_requeues(redis_url, queue_name, tmp_path):
