@@ -185,7 +185,7 @@ async def demo(redis_url: str, queue: str, agents: int, seconds: float, every_s:
 def worker_alive(redis_url: str, queue: str) -> bool:
     r = redis_sync.Redis.from_url(redis_url)
     try:
-        return bool(r.exists(queue + ":health-check"))
+        return bool(r.exists(queue + C.HEALTH_KEY_SUFFIX))
     finally:
         r.close()
 

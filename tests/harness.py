@@ -15,6 +15,7 @@ from pathlib import Path
 import redis as redis_sync
 from arq.worker import create_worker
 
+from worker import constants as C
 from worker.config import Config
 from worker.settings import worker_settings
 
@@ -78,7 +79,7 @@ class InProcessWorker:
 
 
 def health_key(queue_name: str) -> str:
-    return queue_name + ":health-check"
+    return queue_name + C.HEALTH_KEY_SUFFIX
 
 
 class WorkerProcess:

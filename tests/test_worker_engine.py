@@ -21,7 +21,7 @@ from producer.client import Client, RowRejected, WorkerError
 from producer.serial import deserialize
 from statecache.engine import Engine
 from tests.fakes import GatedEngine
-from tests.harness import InProcessWorker, WorkerProcess, wait_for
+from tests.harness import InProcessWorker, WorkerProcess, health_key, wait_for
 
 Q = [
     {"text": "Which link leads to the checkout?", "options": ["the blue button", "the menu", "the search box"]},
@@ -278,7 +278,7 @@ def test_sigterm_drains_in_flight_rows(redis_url, queue_name, tmp_path):
     assert all("probs" in r for r in results)  # every in-flight row was answered before the exit
     assert "shutdown on SIGTERM" in log and "wait complete" in log and "GPU thread stopped" in log
     r = redis_sync.Redis.from_url(redis_url)
-    assert r.zcard(queue_name) == 0 and not r.exists(queue_name + ":health-check")
+    assert r.zcard(queue_name) == 0 and not r.exists(health_key(queue_name))
     r.close()
     assert proc.check() == 1  # no worker: unhealthy
 

@@ -5,11 +5,12 @@ import pickle
 import threading
 
 import pytest
+from arq.worker import Retry
 
 from producer.serial import RemoteJobError, deserialize, serialize
 from tests.fakes import FakeEngine
 from worker.backlog import Backlog
-from worker.gpu_thread import GpuThread
+from worker.gpu_thread import GpuThread, Stopping
 from worker.jobs import answer, import_callable
 
 ROW = {"ids": [1, 2, 3, 4], "state_len": 2, "slots": [3], "nopts": [2]}
@@ -139,8 +140,10 @@ def test_stop_cancels_rows_still_waiting():
         assert (await first)["path"] == "cold"  # the running batch finished
         with pytest.raises(asyncio.CancelledError):
             await second  # the waiting one is cancelled: arq re-queues its job
-        with pytest.raises(RuntimeError, match="stopping"):
+        with pytest.raises(Stopping):
             await gpu.answer(row(3))
+        with pytest.raises(Retry):
+            await answer({"gpu": gpu}, row(3))  # arq puts the job back on the queue
 
     run(main())
 

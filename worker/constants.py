@@ -5,7 +5,8 @@ library (`producer`) can use them without loading the worker. Units are in the n
 """
 
 # Queue and jobs
-QUEUE_NAME = "statecache:queue"  # arq's sorted set of job ids; the health key is QUEUE_NAME + ":health-check"
+QUEUE_NAME = "statecache:queue"  # arq's sorted set of job ids
+HEALTH_KEY_SUFFIX = ":health-check"  # arq's: the worker refreshes QUEUE_NAME + this while it runs
 JOB_ANSWER = "answer"  # one row in, one result out
 JOB_STATS = "stats"  # the engine's and the worker's counters
 DONE_CHANNEL_SUFFIX = ":done"  # pub/sub channel QUEUE_NAME + this: job ids published once their result is stored

@@ -28,6 +28,10 @@ from worker import constants as C
 log = logging.getLogger("statecache.worker")
 
 
+class Stopping(RuntimeError):
+    """The thread is shutting down and takes no more rows."""
+
+
 class _Item:
     __slots__ = ("kind", "payload", "fut", "loop")
 
@@ -106,7 +110,7 @@ class GpuThread:
         fut = loop.create_future()
         with self._cv:
             if self._stopping:
-                raise RuntimeError("the GPU thread is stopping")
+                raise Stopping("the GPU thread is stopping")
             self._items.append(_Item(kind, payload, fut, loop))
             self._cv.notify()
         return await fut

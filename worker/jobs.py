@@ -19,11 +19,13 @@ import logging
 import sys
 from typing import Any
 
+from arq.worker import Retry
+
 from statecache.rows import error_result
 from worker import constants as C
 from worker.backlog import Backlog
 from worker.config import Config
-from worker.gpu_thread import GpuThread
+from worker.gpu_thread import GpuThread, Stopping
 
 log = logging.getLogger("statecache.worker")
 
@@ -39,6 +41,8 @@ async def answer(ctx: dict, *args: Any, **kwargs: Any) -> dict:
         return error_result("bad_row", f"a row must be a map, got {type(row).__name__}")
     try:
         return await ctx["gpu"].answer(row)
+    except Stopping:
+        raise Retry(defer=1)  # back to the queue for the next worker
     except asyncio.CancelledError:
         raise
     except Exception as e:
