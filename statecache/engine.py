@@ -50,7 +50,8 @@ def load_tokenizer(model_dir):
 class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
-                 max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None):
+                 max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
+                 compile: bool | None = None, precapture: bool = False):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -72,6 +73,10 @@ class Engine:
         weights = load_weights(self.model_dir, self.letter_ids, self.device, self.dtype)
         self.load_s = time.perf_counter() - t0
         self.model = Qwen35(weights)
+        if compile is None:  # fused elementwise kernels on the GPU (measured on an H200, 9B shape: bench/README.md)
+            compile = self.device.type == "cuda" and os.environ.get("STATECACHE_COMPILE", "1") != "0"
+        if compile:
+            self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         self.kernels = kernels_for(self.device)
         settings = settings or CacheSettings()
@@ -79,6 +84,7 @@ class Engine:
             settings.mb = cache_mb
         self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
         self.cache = StateCache(self.runner, settings)
+        self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
         self.plain = PlainPath(self.model, self.kernels, plain_tokens)
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
@@ -86,9 +92,11 @@ class Engine:
 
     @classmethod
     def from_env(cls, **kw) -> "Engine":
-        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7)."""
+        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7); also
+        STATECACHE_PRECAPTURE=1 (capture every chunk graph at start-up) and STATECACHE_COMPILE=0 (no torch.compile)."""
         return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
-                   os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None), **kw)
+                   os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None),
+                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "0") == "1", **kw)
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 

@@ -9,11 +9,15 @@ for the option letters. This module knows nothing of checkpoints, graphs, rows o
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from .config import LINEAR
 from .loader import AttnWeights, GdnWeights, Weights
+
+log = logging.getLogger("statecache.model")
 
 
 def rmsnorm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,14 +53,35 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([xr * c + torch.cat([-x2, x1], -1) * s, xp], -1)
 
 
+class _Fused:
+    """A torch.compile'd function that falls back to the eager one if compiling or running it fails."""
+
+    def __init__(self, fn):
+        self.eager = fn
+        self.fast = torch.compile(fn, dynamic=True, fullgraph=True)
+        self.ok = True
+
+    def __call__(self, *args):
+        if self.ok:
+            try:
+                return self.fast(*args)
+            except Exception as e:  # noqa: BLE001 - compile problems must not stop the service
+                self.ok = False
+                log.warning("torch.compile of %s failed (%s: %s); using the eager form", self.eager.__name__,
+                            type(e).__name__, str(e)[:200])
+        return self.eager(*args)
+
+
 class Qwen35:
     """Fused-weight Qwen3.5 text model. `mix` objects supply the stateful parts (see statecache.mixers)."""
 
-    def __init__(self, weights: Weights):
+    def __init__(self, weights: Weights, residual_fp32: bool = True):
         self.w = weights
         self.cfg = cfg = weights.cfg
         self.eps = cfg.rms_norm_eps
-        self.dtype = weights.embed.dtype
+        self.dtype = weights.embed.dtype  # matmuls and activations
+        # the residual stream: float32 keeps 16-bit runs closer to a float32 run (transformers keeps it 16-bit)
+        self.hdtype = torch.float32 if residual_fp32 else self.dtype
         self.device = weights.embed.device
         R = cfg.rotary_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32, device=self.device) / R))
@@ -69,11 +94,10 @@ class Qwen35:
         self.norm, self.gnorm, self.rot, self.act, self.gates = rmsnorm, gated_rmsnorm, rotate, silu_mul, gdn_gates
 
     def compile_elementwise(self) -> None:
-        """Fuse the elementwise pieces with torch.compile (Triton): one kernel each instead of several."""
-        def c(fn):
-            return torch.compile(fn, dynamic=True, fullgraph=True)
+        """Fuse the elementwise pieces with torch.compile (Triton on CUDA): one kernel each instead of several.
+        Each falls back to its eager form, for good, if compiling it fails."""
         self.norm, self.gnorm, self.rot, self.act, self.gates = (
-            c(rmsnorm), c(gated_rmsnorm), c(rotate), c(silu_mul), c(gdn_gates))
+            _Fused(rmsnorm), _Fused(gated_rmsnorm), _Fused(rotate), _Fused(silu_mul), _Fused(gdn_gates))
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [T] (long) -> cos, sin [T, rotary_dim] in the model dtype."""
@@ -112,14 +136,14 @@ class Qwen35:
 
     def layer(self, i: int, h: torch.Tensor, mix, rope) -> torch.Tensor:
         L = self.w.layers[i]
-        x = self.norm(h, L.in_norm, self.eps)
+        x = self.norm(h, L.in_norm, self.eps).to(self.dtype)
         h = h + (self.gdn(i, x, mix) if L.kind == LINEAR else self.attn(i, x, mix, rope))
-        x = self.norm(h, L.post_norm, self.eps)
+        x = self.norm(h, L.post_norm, self.eps).to(self.dtype)
         return h + self.act(x @ L.gate_up_w.T) @ L.down_w.T
 
     def body(self, ids: torch.Tensor, pos: torch.Tensor, mix) -> torch.Tensor:
         """ids, pos [T] -> the last layer's hidden states [T, H] (before the final norm)."""
-        h = self.w.embed.index_select(0, ids)
+        h = self.w.embed.index_select(0, ids).to(self.hdtype)  # [T, H]
         rope = self.rope(pos)
         for i in range(self.cfg.num_layers):
             h = self.layer(i, h, mix, rope)
@@ -127,6 +151,6 @@ class Qwen35:
 
     def letter_probs(self, h: torch.Tensor, nopts: torch.Tensor) -> torch.Tensor:
         """h [S, H] at the answer slots, nopts [S] -> probabilities [S, n_letters] (zero past each slot's nopts)."""
-        logits = (self.norm(h, self.w.final_norm, self.eps) @ self.w.letter_w.T).float()  # [S, n_letters]
+        logits = (self.norm(h, self.w.final_norm, self.eps).to(self.dtype) @ self.w.letter_w.T).float()  # [S, n_letters]
         cols = torch.arange(logits.shape[1], device=logits.device)
         return torch.softmax(logits.masked_fill(cols[None] >= nopts[:, None], float("-inf")), -1)
