@@ -185,7 +185,7 @@ def bench_shape(name, args):
     runner = ChunkRunner(m16, fk, max_pos=8192, max_slots=4)
     cache = StateCache(runner, CacheSettings(mb=args.cache_mb))
     t = time.perf_counter()
-    a = cache.row(*row_args(ids, 4096, slots, nopts))
+    a = cache.row(ids, 4096, slots, nopts)
     torch.cuda.synchronize()
     res["first_cold_with_capture_ms"] = round(1000 * (time.perf_counter() - t), 1)
     res["captures"] = dict(runner.stats)
@@ -196,18 +196,18 @@ def bench_shape(name, args):
 
     def cold():
         cache.clear()
-        return cache.row(*row_args(ids, 4096, slots, nopts))
+        return cache.row(ids, 4096, slots, nopts)
     res["cold_ms"] = timed(cold, reps=3, warm=1)
     log(name, "cold cached", res["cold_ms"], "ms", runner.stats)
     cache.clear()
-    cache.row(*row_args(ids, 4096, slots, nopts))
+    cache.row(ids, 4096, slots, nopts)
     hits = [state + q(i) for i in range(1, 12)]
     hp_ = {}
     k = iter(range(1000))
 
     def hit():
         i = next(k) % len(hits)
-        a = cache.row(*row_args(hits[i], 4096, [4159], [4]))
+        a = cache.row(hits[i], 4096, [4159], [4])
         hp_["path"] = a.path
         return a
     res["hit_ms"] = timed(hit, reps=10, warm=2)
@@ -215,7 +215,7 @@ def bench_shape(name, args):
         profile(f"hit_{name}", hit)
         profile(f"cold_{name}", cold)
     res["hit_path"] = hp_["path"]
-    h = cache.row(*row_args(ids, 4096, slots, nopts))
+    h = cache.row(ids, 4096, slots, nopts)
     res["hit_vs_plain_bf16"] = maxdiff(h.probs, p16)
     log(name, "hit", res["hit_ms"], "ms", res["hit_path"], "agree", res["hit_vs_plain_bf16"])
     # grown state (last tokens changed: restores p - tail) and middle change (restores the stride checkpoint)
@@ -224,7 +224,7 @@ def bench_shape(name, args):
     def grown():
         j = next(cnt)
         s2 = state[:4090] + torch.randint(0, V, (30,), generator=torch.Generator().manual_seed(500 + j)).tolist()
-        a = cache.row(*row_args(s2 + q(0), len(s2), [len(s2) + 63], [4]))
+        a = cache.row(s2 + q(0), len(s2), [len(s2) + 63], [4])
         res["grown_path"], res["grown_reused"] = a.path, a.reused
     res["grown_ms"] = timed(grown, reps=5, warm=1)
 
@@ -232,7 +232,7 @@ def bench_shape(name, args):
         j = next(cnt)
         s2 = list(state)
         s2[3000] = (s2[3000] + 1 + j) % V
-        a = cache.row(*row_args(s2 + q(0), 4096, [4159], [4]))
+        a = cache.row(s2 + q(0), 4096, [4159], [4])
         res["middle_path"], res["middle_reused"] = a.path, a.reused
     res["middle_ms"] = timed(middle, reps=5, warm=1)
     # agreement of a partial row with the plain path
@@ -254,7 +254,7 @@ def bench_shape(name, args):
             cache.clear()
             res["compiled_cold_ms"] = timed(cold, reps=3, warm=1)
             res["compiled_hit_ms"] = timed(hit, reps=10, warm=2)
-            hc = cache.row(*row_args(ids, 4096, slots, nopts))
+            hc = cache.row(ids, 4096, slots, nopts)
             res["compiled_hit_vs_plain"] = maxdiff(hc.probs, p16)
             log(name, "compiled cold", res["compiled_cold_ms"], "hit", res["compiled_hit_ms"], hc.path)
         except Exception:  # noqa: BLE001
@@ -277,10 +277,6 @@ def profile(tag, fn):
     ka = p.key_averages()
     text = ka.table(sort_by="cuda_time_total", row_limit=30) + "\n\n" + ka.table(sort_by="cpu_time_total", row_limit=30)
     (OUT / f"profile_{tag}.txt").write_text(text)
-
-
-def row_args(ids, state_len, slots, nopts):
-    return ids, state_len, slots, nopts
 
 
 def main():
