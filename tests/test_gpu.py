@@ -1,0 +1,62 @@
+"""GPU checks (skipped without CUDA): fla / FlashAttention kernels against the torch reference, and the cached
+path with CUDA graphs against the plain path on the tiny model. The timings live in bench/gpu_bench.py."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from statecache.kernels import FlaKernels, TorchKernels
+
+    try:
+        return TorchKernels(), FlaKernels()
+    except ImportError:
+        pytest.skip("flash-linear-attention is not installed")
+
+
+def test_delta_rule_matches_reference(kernels):
+    ref, fla = kernels
+    torch.manual_seed(0)
+    T, Hk, Hv, D = 200, 2, 4, 64
+    q, k = torch.randn(1, T, Hk, D, device="cuda"), torch.randn(1, T, Hk, D, device="cuda")
+    v = torch.randn(1, T, Hv, D, device="cuda")
+    g, beta = -torch.rand(1, T, Hv, device="cuda") * 0.5, torch.rand(1, T, Hv, device="cuda")
+    init = torch.randn(2, Hv, D, D, device="cuda") * 0.1
+    cu = torch.tensor([0, 77, 200], dtype=torch.int32, device="cuda")
+    (o1, s1), (o2, s2) = ref.delta(q, k, v, g, beta, init, cu), fla.delta(q, k, v, g, beta, init, cu)
+    assert (o1 - o2).abs().max() < 1e-3 and (s1 - s2).abs().max() < 5e-3
+
+
+def test_conv_and_attention_match_reference(kernels):
+    ref, fla = kernels
+    torch.manual_seed(1)
+    x, w = torch.randn(1, 150, 96, device="cuda"), torch.randn(96, 4, device="cuda")
+    cu = torch.tensor([0, 50, 150], dtype=torch.int32, device="cuda")
+    assert (ref.conv(x, w, cu) - fla.conv(x, w, cu)).abs().max() < 1e-4
+    bf = torch.bfloat16
+    q, kk, vv = (torch.randn(150, n, 64, device="cuda", dtype=bf) for n in (8, 2, 2))
+    assert (ref.attend_packed(q, kk, vv, cu, 100, 0.125) - fla.attend_packed(q, kk, vv, cu, 100, 0.125)).abs().max() < 2e-2
+    K, V = torch.randn(512, 2, 64, device="cuda", dtype=bf), torch.randn(512, 2, 64, device="cuda", dtype=bf)
+    start = torch.tensor(130, device="cuda")
+    a, b = ref.attend_span(q[:64], K, V, start, 0.125), fla.attend_span(q[:64], K, V, start, 0.125)
+    assert (a.float() - b.float()).abs().max() < 2e-2
+
+
+def test_graph_cached_rows_match_plain_bf16(kernels):
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+
+    eng = Engine(device="cuda", dtype="bfloat16", settings=CacheSettings(min_prefix=64, stride=128), compile=False)
+    assert eng.runner.use_graphs
+    g = torch.Generator().manual_seed(0)
+    state = torch.randint(0, eng.vocab_size, (300,), generator=g).tolist()
+    rows = [{"ids": state + torch.randint(0, eng.vocab_size, (20,), generator=g).tolist(), "state_len": 300,
+             "slots": [319], "nopts": [4]} for _ in range(3)]
+    got = eng.answer(rows)
+    assert [r["path"] for r in got] == ["cold", "hit", "hit"]
+    want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows])
+    for r, p in zip(got, want):
+        assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 1e-2
