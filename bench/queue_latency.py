@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=16)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "queue_latency_cpu.json"))
     args = p.parse_args(argv)
+    load_at_start = [round(x, 2) for x in os.getloadavg()]  # other work on the machine skews every number here
 
     warm = rows_for([f"warm{i}" for i in range(3)], args.questions)
     seq = rows_for([f"s{i}" for i in range(args.states)], args.questions)
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "what": "the same rows through Redis + arq + the worker vs engine.answer called directly",
         "command": "python bench/queue_latency.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_at_start": load_at_start},
         "model": os.environ.get("STATECACHE_MODEL") or "built-in tiny model",
         "device": str(engine.device),
         "worker_settings": {"poll_delay_s": C.POLL_DELAY_S, "max_jobs": C.MAX_JOBS, "backlog_rows": C.BACKLOG_ROWS},
