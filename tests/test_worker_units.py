@@ -77,7 +77,7 @@ def test_engine_exception_costs_only_the_bad_row(caplog):
 
     good1, err, good2 = run(main())
     gpu.stop(5)
-    assert err["error"]["code"] == "internal_error" and "fake engine failure" in err["error"]["message"]
+    assert err["error"]["code"] == "internal" and "fake engine failure" in err["error"]["message"]
     assert "probs" in good1 and "probs" in good2
     assert gpu.counters["engine_errors"] == 1
     assert "engine failed" in caplog.text
@@ -173,7 +173,7 @@ def test_answer_job_turns_exceptions_into_results():
         async def answer(self, r):
             raise KeyError("boom")
 
-    assert run(answer({"gpu": Gpu()}, ROW))["error"]["code"] == "internal_error"
+    assert run(answer({"gpu": Gpu()}, ROW))["error"]["code"] == "internal"
 
 
 def test_serial_round_trip_and_pickle_refused():

@@ -47,7 +47,7 @@ async def answer(ctx: dict, *args: Any, **kwargs: Any) -> dict:
         raise
     except Exception as e:
         log.exception("job %s failed outside the engine", ctx.get("job_id"))
-        return error_result("internal_error", f"{type(e).__name__}: {e}")
+        return error_result("internal", f"{type(e).__name__}: {e}")
 
 
 async def stats(ctx: dict) -> dict:
