@@ -8,7 +8,8 @@ Grouping by shared state, the memo and the paths are the engine's business; hand
 batch at once is this thread's.
 
 The worker never dies of a row: if the engine raises on a batch, the rows are retried one at a time and a
-row that still raises gets an `internal` error result (the engine's own code for a failed computation). Rows whose job was cancelled meanwhile are skipped.
+row that still raises gets an `internal` error result (the engine's own code for a failed computation).
+Rows whose job was cancelled meanwhile are skipped.
 
 Knows the engine contract (`answer`, `stats`) and asyncio futures; does not know Redis or arq.
 """
