@@ -184,7 +184,7 @@ class Engine:
             self.counts["plain"] += 1
             self.counts["plain_tokens"] += len(row["ids"])
             for k, i in enumerate(idx):
-                results[i] = res if k == 0 else self._memo(key)
+                results[i] = res if k == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
 
     def _memo(self, key) -> dict | None:
         hit = self.memo.get(key)

@@ -1,0 +1,101 @@
+"""Helpers for the state-cache tests: a small random Qwen3.5 (3 GDN layers + 1 attention layer) built once per
+process, the chunk runner / cache / plain reference over it, rows of random tokens, and the comparisons.
+
+The model is wide enough in its attention K/V (4 kv heads x 64) that one position of a group costs 2 KiB, so a
+budget of 1 MiB holds only a few states of a few hundred tokens: evictions happen at the smallest whole-MB budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from statecache.cache import CacheSettings, StateCache
+from statecache.checkpoints import make_checkpoint
+from statecache.kernels import TorchKernels
+from statecache.loader import load_weights
+from statecache.model import Qwen35
+from statecache.plain import PlainPath
+from statecache.runner import ChunkRunner
+
+VOCAB = 64
+LETTER_IDS = list(range(10, 36))
+TOL = 1e-4
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=4, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+MAX_POS = 1024
+SPAN_STEP = 256
+_dirs: list[tempfile.TemporaryDirectory] = []  # kept alive for the process (the weights may be memory-mapped)
+
+
+@functools.lru_cache(maxsize=1)
+def small_model() -> Qwen35:
+    tmp = tempfile.TemporaryDirectory(prefix="statecache-small-")
+    _dirs.append(tmp)
+    path = make_checkpoint(tmp.name, seed=7, **SHAPE)
+    model = Qwen35(load_weights(path, LETTER_IDS, "cpu", torch.float32))
+    assert model.cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    return model
+
+
+def make_runner(pad: bool, **kw) -> ChunkRunner:
+    kw = {"max_pos": MAX_POS, "span_step": SPAN_STEP, **kw}
+    return ChunkRunner(small_model(), TorchKernels(), pad=pad, **kw)
+
+
+def make_cache(pad: bool, runner: ChunkRunner | None = None, **settings) -> StateCache:
+    s = {"mb": 64, "stride": 128, "tail": 16, "align": 64, "min_prefix": 64, **settings}
+    return StateCache(runner or make_runner(pad), CacheSettings(**s))
+
+
+@functools.lru_cache(maxsize=1)
+def plain_path() -> PlainPath:
+    return PlainPath(small_model(), TorchKernels())
+
+
+def reference(ids, slots, nopts) -> list[list[float]]:
+    """The uncached answer: one plain (packed, from nothing) forward of the whole row."""
+    return plain_path().forward([(list(ids), list(slots), list(nopts))])[0]
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    for x, y in zip(a, b):
+        assert len(x) == len(y), (len(x), len(y))
+    return max(abs(u - v) for x, y in zip(a, b) for u, v in zip(x, y))
+
+
+def assert_close(a: list[list[float]], b: list[list[float]], tol: float = TOL) -> None:
+    d = max_diff(a, b)
+    assert d <= tol, f"cached answer differs from the plain forward by {d:.3g} > {tol}"
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, size=n).tolist()
+
+
+def down(x: int, align: int = 64) -> int:
+    return x - x % align
+
+
+def index_bytes_recount(cache: StateCache) -> int:
+    """The index's bytes from scratch: each live checkpoint, plus each group that has one, once."""
+    live = cache.index.lru_order()
+    groups = {id(c.group): c.group for c in live}
+    return sum(c.nbytes for c in live) + sum(g.nbytes for g in groups.values())
+
+
+@contextmanager
+def one_thread():
+    """Tiny tensors run several times faster on one intra-op thread than on two (pool overhead dominates)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

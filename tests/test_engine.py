@@ -1,0 +1,279 @@
+"""The engine on the built-in tiny model (CPU, float32): memo, duplicates, grouping by state, the backlog rule,
+bad rows, text rows, statistics; and the `statecache score` command. Every answer is checked against the plain
+forward of the same row within 1e-4.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from statecache.cache import CacheSettings
+from statecache.engine import Engine
+from statecache.text import encode_text_row
+from tests.cache_util import assert_close, one_thread
+
+Q = [
+    {"text": "Which link leads to the checkout?", "options": ["the blue button", "the menu", "the search box"]},
+    {"text": "Is the form complete?", "options": ["yes", "no"]},
+    {"text": "What should the agent do next?", "options": ["click", "type", "scroll", "go back"]},
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(params=[pytest.param(False, id="exact"), pytest.param(True, id="padded")])
+def engine(request):
+    """A factory of fresh engines on the tiny model, CPU, in both runner modes: eager exact-length chunks and
+    bucketed padded ones. States of 64+ tokens take the cached path unless told otherwise; stride 192 makes
+    state chunks of 192 tokens, which the padded mode runs as 256."""
+
+    def make(**kw) -> Engine:
+        kw.setdefault("settings", CacheSettings(min_prefix=64, stride=192))
+        return Engine(device="cpu", dtype="float32", max_pos=2048, pad_chunks=request.param, **kw)
+
+    return make
+
+
+def toks(n: int, seed: int, vocab: int = 500) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+def row(state: list[int], q: int, seed: int, nopts=(4,)) -> dict:
+    """A token row: the state, then a question of q tokens answered at its last token (and earlier ones if asked)."""
+    ids = state + toks(q, 1000 + seed)
+    n = len(ids)
+    slots = [n - 1 - j for j in range(len(nopts))][::-1]
+    return {"ids": ids, "state_len": len(state), "slots": slots, "nopts": list(nopts)}
+
+
+def check(eng: Engine, rows: list[dict], results: list[dict]) -> None:
+    """Every answered row equals the plain forward of its tokens; bookkeeping adds up."""
+    for r, res in zip(rows, results):
+        if "error" in res:
+            continue
+        tr = r if "ids" in r else encode_text_row(r, eng.tokenizer, eng.max_row_tokens)
+        ref = eng.plain.forward([(tr["ids"], tr["slots"], tr["nopts"])])[0]
+        assert_close(res["probs"], ref)
+        if res["path"] == "memo":
+            assert res["reused"] == 0 and res["computed"] == 0
+        else:
+            assert res["reused"] + res["computed"] == len(tr["ids"])
+            assert (res["reused"] > 0) == (res["path"] in ("hit", "partial"))
+
+
+def paths(results: list[dict]) -> list[str]:
+    return [r.get("path", "error") for r in results]
+
+
+def text_state(agent: str, steps: int = 20) -> str:
+    """About 20 tokens a step with the tiny tokenizer: 20 steps is a state of 400+ tokens."""
+    return f"goal of agent {agent}: book a table for two near the park\n" + "\n".join(
+        f"step {i}: {agent} clicked the button and typed a name into the field" for i in range(steps))
+
+
+# ---- memo and duplicates ---------------------------------------------------------------------------------------------
+
+
+def test_memo_answers_an_exact_repeat(engine):
+    eng = engine()
+    cached, plain = row(toks(300, 1), 10, 1), row(toks(30, 2), 10, 2)  # the second's state is too short to cache
+    first = eng.answer([cached, plain])
+    assert paths(first) == ["cold", "plain"]
+    again = eng.answer([plain, cached])
+    assert paths(again) == ["memo", "memo"]
+    assert again[0]["probs"] == first[1]["probs"] and again[1]["probs"] == first[0]["probs"]
+    assert eng.cache.stats["rows"] == 1 and eng.counts["plain"] == 1
+    check(eng, [cached, plain, plain, cached], first + again)
+    other = dict(cached, nopts=[5])  # same tokens, other option count: not the same row
+    assert paths(eng.answer([other])) == ["hit"]
+    assert eng.stats()["memo"] == 2
+
+
+def test_duplicates_in_one_batch_are_computed_once(engine):
+    eng = engine()
+    cached, plain = row(toks(300, 3), 10, 3), row(toks(40, 4), 10, 4)
+    res = eng.answer([cached, plain, cached, plain, cached])
+    assert paths(res) == ["cold", "plain", "memo", "memo", "memo"]
+    assert res[2]["probs"] == res[0]["probs"] and res[3]["probs"] == res[1]["probs"]
+    assert eng.cache.stats["rows"] == 1 and eng.counts["plain"] == 1 and eng.counts["plain_tokens"] == 50
+    check(eng, [cached, plain, cached, plain, cached], res)
+
+
+def test_duplicates_without_a_memo_still_get_answers(engine):
+    eng = engine(memo_entries=0)  # the memo off: a duplicate in one batch must still get a result
+    cached, plain = row(toks(300, 5), 10, 5), row(toks(40, 6), 10, 6)
+    res = eng.answer([plain, cached, plain, cached])
+    assert all(r is not None and "probs" in r for r in res), res
+    assert res[2]["probs"] == res[0]["probs"] and res[3]["probs"] == res[1]["probs"]
+    assert paths(res)[:2] == ["plain", "cold"] and eng.counts["plain"] == 1
+    check(eng, [plain, cached, plain, cached], res)
+    assert paths(eng.answer([cached])) == ["hit"]  # nothing remembered: computed again, from the cache
+
+
+# ---- grouping and the backlog ----------------------------------------------------------------------------------------
+
+
+def test_a_new_state_shared_by_three_rows_is_planted_once(engine):
+    eng = engine()
+    S, T = toks(400, 5), toks(350, 6)
+    rows = [row(S, 12, 1), row(T, 12, 2), row(S, 7, 3, nopts=(2, 3)), row(S, 30, 4)]
+    res = eng.answer(rows)
+    assert paths(res) == ["cold", "cold", "hit", "hit"]
+    assert [r["reused"] for r in res] == [0, 0, 384, 384]
+    check(eng, rows, res)
+
+
+def test_backed_up_singletons_go_plain_shared_states_are_planted(engine):
+    eng = engine()
+    S, T, U = toks(300, 7), toks(320, 8), toks(280, 9)
+    res = eng.answer([row(S, 10, 1)], backed_up=True)
+    assert paths(res) == ["plain"]  # a new state, nobody else asking about it, a queue waiting: throughput first
+    assert eng.cache.stats["declined"] == 1 and len(eng.cache.index) == 0
+    rows = [row(T, 10, 2), row(T, 11, 3), row(U, 10, 4), row(T, 12, 5)]
+    res2 = eng.answer(rows, backed_up=True)
+    assert paths(res2) == ["cold", "hit", "plain", "hit"]  # T is shared by three rows: worth planting anyway
+    res3 = eng.answer([row(T, 13, 6), row(T + toks(100, 10), 5, 7)], backed_up=True)
+    assert paths(res3) == ["hit", "partial"]  # something to reuse: the cached path even under backlog
+    res4 = eng.answer([row(S, 14, 8)], backed_up=False)
+    assert paths(res4) == ["cold"]  # no backlog: a new singleton state is planted
+    check(eng, [row(S, 10, 1)] + rows + [row(T, 13, 6), row(T + toks(100, 10), 5, 7), row(S, 14, 8)],
+          res + res2 + res3 + res4)
+
+
+def test_ineligible_rows_take_the_plain_path(engine):
+    eng = engine()
+    S = toks(300, 11)
+    rows = [
+        row(toks(50, 12), 10, 1),  # state shorter than min_prefix (64)
+        {"ids": S + toks(10, 13), "state_len": 300, "slots": [200, 309], "nopts": [3, 4]},  # a slot before p
+        {"ids": S + toks(10, 14), "state_len": 300, "slots": [300, 302, 304, 306, 309], "nopts": [2] * 5},  # 5 slots
+        row(S, 2100, 15),  # a question longer than the largest chunk (2048)
+    ]
+    res = eng.answer(rows)
+    assert paths(res) == ["plain"] * 4
+    assert eng.cache.stats["rows"] == 0 and eng.counts["plain"] == 4
+    check(eng, rows, res)
+
+
+# ---- bad rows --------------------------------------------------------------------------------------------------------
+
+
+def test_bad_rows_get_errors_and_the_rest_is_answered(engine):
+    eng = engine()
+    good1, good2 = row(toks(300, 20), 10, 1), row(toks(30, 21), 5, 2)
+    bad = [
+        "not a map",
+        {"ids": [1, 2, 3], "state_len": 1},  # fields missing
+        {"ids": [1, 2, 99999], "state_len": 1, "slots": [2], "nopts": [2]},  # a token outside the vocabulary
+        {"ids": [1, 2, 3], "state_len": 1, "slots": [3], "nopts": [2]},  # a slot past the end
+        {"ids": [1, 2, 3], "state_len": 1, "slots": [2], "nopts": [27]},  # more options than letters
+        {"ids": [1, 2, 3], "state_len": 5, "slots": [2], "nopts": [2]},
+        {"state": "a page", "questions": [{"text": "?", "options": ["only one"]}]},
+        {"state": "a page", "questions": [], "ids": [1]},
+    ]
+    rows = [good1] + bad + [good2]
+    res = eng.answer(rows)
+    assert "probs" in res[0] and "probs" in res[-1]
+    codes = [r["error"]["code"] for r in res[1:-1]]
+    assert codes == ["bad_row", "bad_row", "id_out_of_range", "slot_out_of_range", "bad_nopts",
+                     "state_len_out_of_range", "bad_nopts", "bad_row"]
+    assert all(r["error"]["message"] for r in res[1:-1])
+    assert eng.counts["errors"] == len(bad)
+    check(eng, rows, res)
+
+
+def test_a_failure_while_computing_fails_only_that_group(engine, monkeypatch):
+    eng = engine()
+    S, T = toks(300, 22), toks(300, 23)
+    real = eng.cache.row
+
+    def row_or_fail(ids, state_len, *a, **kw):
+        if ids[:10] == S[:10]:
+            raise RuntimeError("boom")
+        return real(ids, state_len, *a, **kw)
+
+    monkeypatch.setattr(eng.cache, "row", row_or_fail)
+    rows = [row(S, 10, 1), row(T, 10, 2), row(S, 11, 3), row(toks(20, 24), 5, 4)]
+    res = eng.answer(rows)
+    assert paths(res) == ["error", "cold", "error", "plain"]
+    assert res[0]["error"]["code"] == "internal" and "boom" in res[0]["error"]["message"]
+    check(eng, rows, res)
+
+
+# ---- text rows -------------------------------------------------------------------------------------------------------
+
+
+def test_text_rows_with_one_state_share_its_tokens(engine):
+    eng = engine(settings=CacheSettings())  # the default min_prefix (256)
+    state = text_state("ada")
+    r1, r2 = {"state": state, "questions": [Q[0]]}, {"state": state, "questions": [Q[1], Q[2]]}
+    t1, t2 = (encode_text_row(r, eng.tokenizer, eng.max_row_tokens) for r in (r1, r2))
+    n = t1["state_len"]
+    assert n == t2["state_len"] and n >= 320 and t1["ids"][:n] == t2["ids"][:n]
+    p = n - n % 64
+    res = eng.answer([r1])
+    assert paths(res) == ["cold"]
+    res2 = eng.answer([r2])
+    assert paths(res2) == ["hit"] and res2[0]["reused"] == p and len(res2[0]["probs"]) == 2
+    assert [len(x) for x in res2[0]["probs"]] == [2, 4]
+    other = {"state": text_state("bob"), "questions": [Q[2]]}
+    grown = {"state": text_state("ada", 25), "questions": [Q[0]]}  # five more steps: 100+ more tokens
+    res3 = eng.answer([other, grown, other])
+    assert paths(res3) == ["cold", "partial", "memo"]
+    assert res3[1]["reused"] in (p, p - 64)  # p, or p - tail where the state's last tokens re-tokenise
+    check(eng, [r1, r2, other, grown, other], res + res2 + res3)
+    same = eng.answer([{"state": text_state("cy"), "questions": [q]} for q in Q])  # one batch, one new state
+    assert paths(same) == ["cold", "hit", "hit"]
+
+
+# ---- statistics ------------------------------------------------------------------------------------------------------
+
+
+def test_stats_count_what_happened(engine):
+    eng = engine()
+    S = toks(300, 30)
+    eng.answer([row(S, 10, 1), row(S, 10, 2), row(toks(20, 31), 5, 3), "junk"])  # cold, hit, plain, error
+    eng.answer([row(S, 10, 1), row(S + toks(70, 32), 10, 4)])  # memo, partial
+    s = eng.stats()
+    assert {k: s[k] for k in ("rows", "memo", "plain", "errors", "batches", "hits", "partial", "cold")} == {
+        "rows": 6, "memo": 1, "plain": 1, "errors": 1, "batches": 2, "hits": 1, "partial": 1, "cold": 1}
+    assert s["tokens_reused"] == 256 + 256
+    assert s["tokens_computed"] == 310 + (310 - 256) + 25 + (380 - 256)
+    c = s["cache"]
+    assert c["rows"] == 3 and c["checkpoints"] == len(eng.cache.index) > 0 and c["bytes"] <= c["mb"] * 2**20
+    assert "plain_tokens" not in s
+
+
+# ---- the score command -----------------------------------------------------------------------------------------------
+
+
+def test_score_cli_answers_json_lines_in_order(monkeypatch, capsys):
+    from statecache.cli import main
+
+    S = toks(300, 40)
+    rows = [row(S, 10, 1), None, {"ids": [1, 2], "state_len": 1, "slots": [5], "nopts": [2]}, row(S, 12, 2)]
+    lines = [json.dumps(r) if r is not None else '{"ids": [1, 2' for r in rows]
+    lines.insert(2, "")  # a blank line is skipped
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["score", "--device", "cpu", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    res = [json.loads(x) for x in out.splitlines()]
+    assert len(res) == 4
+    assert res[0]["path"] == "cold" and res[0]["reused"] == 0
+    assert res[1]["error"]["code"] == "bad_json" and "line 2" in res[1]["error"]["message"]
+    assert res[2]["error"]["code"] == "slot_out_of_range"
+    assert res[3]["path"] == "hit" and res[3]["reused"] >= 256  # the default min_prefix is 256: p = 256
+    assert res[3]["reused"] + res[3]["computed"] == 312
+    eng = Engine(device="cpu", dtype="float32")
+    check(eng, [rows[0], rows[3]], [res[0], res[3]])
+    stats = json.loads(err.strip().splitlines()[-1].removeprefix("statecache: "))
+    assert stats["rows"] == 3 and stats["errors"] == 1 and stats["hits"] == 1 and stats["cold"] == 1
