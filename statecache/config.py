@@ -72,7 +72,7 @@ def _text_settings(raw: dict) -> tuple[dict, str, bool]:
     kind = raw.get("model_type")
     if kind == "qwen3_5":
         text = dict(raw.get("text_config") or {})
-        tie = bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
+        tie = bool(raw.get("tie_word_embeddings", False))  # transformers ties by the top-level flag, not text_config's
         return text, "model.language_model.", tie
     if kind == "qwen3_5_text":
         return raw, "model.", bool(raw.get("tie_word_embeddings", False))
