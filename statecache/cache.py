@@ -86,14 +86,22 @@ class StateCache:
             return None
         ends = plan_chunks(c0, state_len, stride=self.s.stride, tail=self.s.tail, align=self.s.align,
                            max_chunk=self.runner.max_chunk)
-        starts = [c0] + ends[:-1]
-        if not self.runner.ensure(list(zip(starts, ends)) + [(p, n)]):  # all captures before the restore
+        chunks = []  # (start, end, plant a checkpoint at end)
+        s = c0
+        for e in ends:
+            pieces = self.runner.split(s, e)  # a padded chunk must not reach past the largest span
+            if pieces is None:
+                return None
+            chunks += [(a, b, b == e) for a, b in zip([s] + pieces[:-1], pieces)]
+            s = e
+        if not self.runner.ensure([(a, b) for a, b, _ in chunks] + [(p, n)]):  # all captures before the restore
             return None
         self._restore(best)
         snaps = []
-        for s, e in zip(starts, ends):
-            self.runner.run(ids, s, e)
-            snaps.append((e, self.runner.st.conv.clone(), self.runner.st.S.clone()))
+        for a, b, plant in chunks:
+            self.runner.run(ids, a, b)
+            if plant:
+                snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone()))
         out = self.runner.run(ids, p, n, slots, nopts)
         probs = out[: len(slots)].float().cpu()
         path = "hit" if c0 == p else ("partial" if c0 > 0 else "cold")

@@ -91,6 +91,10 @@ def parse_config(raw: dict) -> TextConfig:
         bad = sorted(set(types) - {LINEAR, FULL})
         if bad:
             raise ConfigError(f"unknown layer types {bad}")
+        if text.get("attention_bias"):
+            raise ConfigError("attention_bias is true: this loader has no attention biases (Qwen3.5 has none)")
+        if text.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {text['hidden_act']!r} is not supported (Qwen3.5 uses 'silu')")
         rope = dict(text.get("rope_parameters") or {})
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":

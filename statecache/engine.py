@@ -11,6 +11,7 @@ Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import string
@@ -79,7 +80,7 @@ class Engine:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         self.kernels = kernels_for(self.device)
-        settings = settings or CacheSettings()
+        settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb
         self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
@@ -146,7 +147,7 @@ class Engine:
     def _cached_group(self, members, backed_up: bool, results) -> list:
         """Run a group's rows through the cache; returns those it declines (for the plain path)."""
         declined = []
-        shared = len(members) > 1
+        shared = len({key for _, _, key in members}) > 1  # other *different* rows wait on this state
         self.cache.cold_ok = lambda: not backed_up
         for i, row, key in members:
             if (hit := self._memo(key)) is not None:  # the same row twice in one batch

@@ -70,6 +70,21 @@ class ChunkRunner:
         span = bucket(s + L, self.spans)
         return None if span is None else (L, span)
 
+    def split(self, s: int, e: int) -> list[int] | None:
+        """The ends of chunks covering [s, e), each with a shape: [e] when it has one; else pieces of the largest
+        chunk lengths whose padding still fits below max_pos. None when there is no way."""
+        out = []
+        while s < e:
+            if self.shape(s, e) is not None:
+                out.append(e)
+                return out
+            L = max((b for b in self.chunks if b <= e - s and s + b <= self.max_pos), default=None)
+            if L is None:
+                return None
+            s += L
+            out.append(s)
+        return out
+
     # ---- the chunk forward ----------------------------------------------------------------------------------------
 
     def _forward(self, ids, slots, nopts, L: int, span: int) -> torch.Tensor:

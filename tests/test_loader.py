@@ -218,6 +218,14 @@ def test_config_errors(copy_of, tmp_path):
     bad["text_config"]["layer_types"][1] = "sliding_attention"
     with pytest.raises(ConfigError, match="sliding_attention"):
         parse_config(bad)
+    bad = json.loads(json.dumps(raw))
+    bad["text_config"]["attention_bias"] = True
+    with pytest.raises(ConfigError, match="attention_bias"):
+        parse_config(bad)
+    bad = json.loads(json.dumps(raw))
+    bad["text_config"]["hidden_act"] = "gelu"
+    with pytest.raises(ConfigError, match="gelu"):
+        parse_config(bad)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
