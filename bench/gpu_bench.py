@@ -250,10 +250,14 @@ def bench_shape(name, args):
             res["compiled_plain_vs_eager"] = maxdiff(pc, p16)
             res["compiled_plain_ms"] = timed(lambda: plain16.forward([row]))
             log(name, "compiled plain", res["compiled_plain_ms"], "ms")
+            if name in args.profile.split(","):
+                profile(f"compiled_plain_{name}", lambda: plain16.forward([row]))
             runner.reset_graphs()
             cache.clear()
             res["compiled_cold_ms"] = timed(cold, reps=3, warm=1)
             res["compiled_hit_ms"] = timed(hit, reps=10, warm=2)
+            if name in args.profile.split(","):
+                profile(f"compiled_hit_{name}", hit)
             hc = cache.row(ids, 4096, slots, nopts)
             res["compiled_hit_vs_plain"] = maxdiff(hc.probs, p16)
             log(name, "compiled cold", res["compiled_cold_ms"], "hit", res["compiled_hit_ms"], hc.path)

@@ -65,10 +65,10 @@ class ChunkRunner:
     def shape(self, s: int, e: int) -> tuple[int, int] | None:
         """(chunk length, span) of chunk [s, e); None when it is longer than the largest chunk or span."""
         L = bucket(e - s, self.chunks) if self.pad else e - s
-        if L is None or L > self.max_chunk:
+        if L is None or L > self.max_chunk or s + L > self.max_pos:
             return None
-        span = bucket(s + L, self.spans)
-        return None if span is None else (L, span)
+        # graphs are keyed by a bucketed span; eager chunks attend over exactly the keys they have
+        return L, (bucket(s + L, self.spans) if self.pad else s + L)
 
     def split(self, s: int, e: int) -> list[int] | None:
         """The ends of chunks covering [s, e), each with a shape: [e] when it has one; else pieces of the largest
