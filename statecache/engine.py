@@ -121,8 +121,8 @@ class Engine:
                 results[i] = hit
             else:
                 todo.append((i, row, key))
-        plain = []
-        for members in self._groups(todo).values():
+        groups, plain = self._groups(todo)
+        for members in groups.values():
             try:
                 plain += self._cached_group(members, backed_up, results)
             except Exception as e:  # noqa: BLE001
@@ -133,16 +133,20 @@ class Engine:
         self._plain(plain, results)
         return results  # type: ignore[return-value]
 
-    def _groups(self, todo) -> "OrderedDict[object, list]":
-        """Rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order."""
+    def _groups(self, todo) -> tuple["OrderedDict[tuple, list]", list]:
+        """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
+        and the rows the cached path cannot take (for the plain path)."""
         align = self.cache.s.align
         groups: OrderedDict = OrderedDict()
+        plain = []
         for item in todo:
             row = item[1]
+            if not self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
+                plain.append(item)
+                continue
             p = row["state_len"] - row["state_len"] % align
-            k = ("s", tuple(row["ids"][:p])) if self.cache.eligible(row["ids"], row["state_len"], row["slots"]) else ("x", item[0])
-            groups.setdefault(k, []).append(item)
-        return groups
+            groups.setdefault(tuple(row["ids"][:p]), []).append(item)
+        return groups, plain
 
     def _cached_group(self, members, backed_up: bool, results) -> list:
         """Run a group's rows through the cache; returns those it declines (for the plain path)."""
@@ -152,9 +156,6 @@ class Engine:
         for i, row, key in members:
             if (hit := self._memo(key)) is not None:  # the same row twice in one batch
                 results[i] = hit
-                continue
-            if not self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
-                declined.append((i, row, key))
                 continue
             ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], plant_anyway=shared)
             if ans is None:
