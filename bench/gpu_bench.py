@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import inspect
 import json
 import statistics
@@ -179,7 +180,6 @@ def bench_shape(name, args):
             res["hf_hit_ms"] = timed(hf_hit)
         except Exception as e:  # noqa: BLE001
             res["hf_hit_error"] = f"{type(e).__name__}: {e}"[:300]
-        del out, kv
     log(name, "hf continue from cache copy", res.get("hf_hit_ms"), res.get("hf_hit_error", ""))
     # the state cache
     runner = ChunkRunner(m16, fk, max_pos=8192, max_slots=4)
@@ -266,9 +266,6 @@ def bench_shape(name, args):
             log(res["compile_error"])
     log(name, "grown", res["grown_ms"], res["grown_path"], res["grown_reused"], "middle", res["middle_ms"], res["middle_path"], res["middle_reused"])
     res["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
-    del hf, w16, m16, runner, cache, sd
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
 
 
 def profile(tag, fn):
@@ -309,6 +306,9 @@ def main():
         except Exception:  # noqa: BLE001
             R.setdefault("errors", []).append(f"{name}: " + traceback.format_exc()[-2000:])
             log(traceback.format_exc())
+        gc.collect()  # the shape's models and cache went with bench_shape's frame
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
         save()
     log(json.dumps(R, indent=1))
 

@@ -14,7 +14,6 @@ Redis, text, the memo or batching: statecache.engine decides which rows come her
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 

@@ -7,7 +7,6 @@ back and make a backlog) for answers, grouping, backlog and bad input; worker su
 
 import asyncio
 import logging
-import pickle
 import signal
 import time
 import uuid
