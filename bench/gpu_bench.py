@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from statecache.cache import CacheSettings, StateCache  # noqa: E402
 from statecache.config import parse_config  # noqa: E402
-from statecache.kernels import FlaKernels, TorchKernels  # noqa: E402
+from statecache.fuse import Fused  # noqa: E402
+from statecache.kernels import FlaKernels, TorchKernels, span_softmax  # noqa: E402
 from statecache.loader import weights_from_state_dict  # noqa: E402
 from statecache.model import Qwen35  # noqa: E402
 from statecache.plain import PlainPath  # noqa: E402
@@ -46,8 +47,11 @@ def save():
     (OUT / "gpu_bench.json").write_text(json.dumps(R, indent=1))
 
 
+T0 = time.perf_counter()
+
+
 def log(*a):
-    print(*a, flush=True)
+    print(f"[{time.perf_counter() - T0:6.1f} s]", *a, flush=True)
 
 
 def timed(fn, reps=5, warm=2):
@@ -61,6 +65,129 @@ def timed(fn, reps=5, warm=2):
         torch.cuda.synchronize()
         ts.append(1000 * (time.perf_counter() - t))
     return round(statistics.median(ts), 2)
+
+
+def gtime(fn, reps=20):
+    """GPU milliseconds of fn as a CUDA graph replay (no launch overhead), median of reps; None if it cannot be
+    captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return round(statistics.median(ts), 4)
+
+
+def micro(cfg, res):
+    """Kernel variants at this shape, each timed as a graph replay: span attention (FlashAttention with native GQA,
+    with repeated heads, batched matmuls with eager / compiled softmax) and the delta rule (chunked vs fused
+    recurrent) for short chunks; agreement of each with the first."""
+    from statecache.fuse import Fused
+    from statecache.kernels import attend_grouped, span_softmax
+
+    fk = FlaKernels()
+    out = {"flash_gqa": fk.flash_gqa, "bmm_f32": fk.bmm_f32}
+    dev, bf = "cuda", torch.bfloat16
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    P, start = 5120, torch.tensor(4096, device=dev)
+    K, V = (torch.randn(P, Hkv, D, device=dev, dtype=bf) for _ in range(2))
+    comp = Fused(span_softmax)
+    scale = D**-0.5
+    for L in (16, 64, 128, 256, 512):
+        q = torch.randn(L, Hq, D, device=dev, dtype=bf)
+        zero = torch.zeros(1, dtype=torch.int32, device=dev)
+        cu_q, cu_k = torch.cat([zero, zero + L]), torch.cat([zero, (start + L).to(torch.int32).reshape(1)])
+        variants = {
+            "flash_native": lambda: fk._flash_op(q, K, V, cu_q, cu_k, L, P, scale),
+            "flash_repeat": lambda: fk._varlen(q, K.repeat_interleave(Hq // Hkv, 1), V.repeat_interleave(Hq // Hkv, 1),
+                                               cu_q, cu_k, L, P, scale=scale, window_size=(-1, 0)),
+            "grouped_eager": lambda: attend_grouped(q, K, V, start, scale, span_softmax, fk.bmm_f32),
+            "grouped_compiled": lambda: attend_grouped(q, K, V, start, scale, comp, fk.bmm_f32),
+        }
+        ref = None
+        for name, fn in variants.items():
+            try:
+                o = fn().float()
+                ref = o if ref is None else ref
+                out[f"attn_L{L}_{name}"] = [gtime(fn), float((o - ref).abs().max())]
+            except Exception as e:  # noqa: BLE001
+                out[f"attn_L{L}_{name}"] = f"{type(e).__name__}: {str(e)[:150]}"
+    T = 4160
+    q = torch.randn(T, Hq, D, device=dev, dtype=bf)
+    k, v = (torch.randn(T, Hkv, D, device=dev, dtype=bf) for _ in range(2))
+    cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    for name, fn in {"flash_native": lambda: fk._flash_op(q, k, v, cu, cu, T, T, scale),
+                     "flash_repeat": lambda: fk._varlen(q, k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1),
+                                                        cu, cu, T, T, scale=scale, window_size=(-1, 0))}.items():
+        try:
+            out[f"attn_packed_{T}_{name}"] = gtime(fn)
+        except Exception as e:  # noqa: BLE001
+            out[f"attn_packed_{T}_{name}"] = f"{type(e).__name__}: {str(e)[:150]}"
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    init = torch.randn(1, Hv, Dk, Dv, device=dev) * 0.1
+    for T in (16, 64, 128):
+        qd, kd = (torch.randn(1, T, Hk, Dk, device=dev, dtype=bf) for _ in range(2))
+        vd = torch.randn(1, T, Hv, Dv, device=dev, dtype=bf)
+        g = -torch.rand(1, T, Hv, device=dev) * 0.5
+        beta = torch.rand(1, T, Hv, device=dev, dtype=bf)
+        o1, s1 = fk._gdr(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        try:
+            o2, s2 = fk._gdr_rec(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            agree = [float((o1.float() - o2.float()).abs().max()), float((s1 - s2).abs().max())]
+        except Exception as e:  # noqa: BLE001
+            agree = f"{type(e).__name__}: {str(e)[:150]}"
+        out[f"delta_T{T}"] = {
+            "chunk": gtime(lambda: fk._gdr(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)),
+            "recurrent": gtime(lambda: fk._gdr_rec(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)),
+            "recurrent_vs_chunk": agree}
+    res["micro"] = out
+    log("micro", json.dumps(out))
+
+
+def gemm_micro(cfg, res):
+    """The shape's weight matmuls at 64 and 4160 rows: cuBLAS's default choice vs TunableOp's tuned one."""
+    dev, bf = "cuda", torch.bfloat16
+    H = cfg.hidden_size
+    shapes = {"gate_up": (2 * cfg.intermediate_size, H), "down": (H, cfg.intermediate_size),
+              "gdn_in": (2 * cfg.key_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads, H), "gdn_out": (H, cfg.value_dim)}
+    out = {}
+    for M in (64, 4160):
+        for nm, (N, K) in shapes.items():
+            x = torch.randn(M, K, device=dev, dtype=bf)
+            w = torch.randn(N, K, device=dev, dtype=bf)
+            out[f"{nm}_M{M}_default"] = gtime(lambda: x @ w.T)
+    try:
+        import torch.cuda.tunable as tun
+        tun.enable(True)
+        tun.tuning_enable(True)
+        tun.set_max_tuning_duration(50)
+        for M in (64, 4160):
+            for nm, (N, K) in shapes.items():
+                x = torch.randn(M, K, device=dev, dtype=bf)
+                w = torch.randn(N, K, device=dev, dtype=bf)
+                for _ in range(3):
+                    x @ w.T
+                out[f"{nm}_M{M}_tuned"] = gtime(lambda: x @ w.T)
+        tun.enable(False)
+    except Exception as e:  # noqa: BLE001
+        out["tunable_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    res["gemm"] = out
+    log("gemm", json.dumps(out))
 
 
 def maxdiff(a, b):
@@ -129,15 +256,28 @@ def build_hf(shape_name):
 
 
 def bench_shape(name, args):
+    """One shape: plain path (eager, then compiled with --compile) next to transformers, agreement, then the state
+    cache in the final mode (compiled with --compile): cold, hit, grown, middle change; profiles where asked."""
     res = R.setdefault("shapes", {}).setdefault(name, {})
+    prof_here = name in args.profile.split(",")
     t0 = time.perf_counter()
     hf, cfg = build_hf(name)
     res["build_s"] = round(time.perf_counter() - t0, 1)
+    if name in args.micro.split(","):
+        try:
+            gemm_micro(cfg, res)
+            micro(cfg, res)
+        except Exception:  # noqa: BLE001
+            res["micro_error"] = traceback.format_exc()[-1500:]
+            log(res["micro_error"])
+        save()
     letters = list(range(32, 58))
     sd = {k: v for k, v in hf.state_dict().items()}
     w16 = weights_from_state_dict(cfg, sd, letters, "cuda", torch.bfloat16)
     m16 = Qwen35(w16)
     fk = FlaKernels()
+    res["kernels"] = {"flash_gqa": fk.flash_gqa, "bmm_f32": fk.bmm_f32, "grouped_max_q": fk.grouped_max_q,
+                      "recurrent_max": fk.recurrent_max}
     plain16 = PlainPath(m16, fk)
     g = torch.Generator().manual_seed(1)
     V = cfg.vocab_size
@@ -148,9 +288,7 @@ def bench_shape(name, args):
     row = (ids, slots, nopts)
     p16 = plain16.forward([row])[0]
     res["plain_ms"] = timed(lambda: plain16.forward([row]))
-    log(name, "plain bf16", res["plain_ms"], "ms")
-    if name in args.profile.split(","):
-        profile(f"plain_{name}", lambda: plain16.forward([row]))
+    log(name, "plain bf16 (eager)", res["plain_ms"], "ms")
     # transformers on the same weights
     x = torch.tensor([ids], device="cuda")
     with torch.no_grad():
@@ -159,14 +297,6 @@ def bench_shape(name, args):
         res["hf_vs_ours_bf16"] = maxdiff(hp, p16)
         res["hf_uncached_ms"] = timed(lambda: hf(x, logits_to_keep=1))
     log(name, "hf uncached", res["hf_uncached_ms"], "ms", "agree", res["hf_vs_ours_bf16"])
-    # float32 run of the same weights
-    if not args.skip_f32:
-        w32 = weights_from_state_dict(cfg, sd, letters, "cuda", torch.float32)
-        p32 = PlainPath(Qwen35(w32), fk).forward([row])[0]
-        res["bf16_vs_f32"] = maxdiff(p16, p32)
-        log(name, "bf16 vs f32", res["bf16_vs_f32"])
-        del w32
-        torch.cuda.empty_cache()
     # transformers continuing from a copy of its own cache
     with torch.no_grad():
         out = hf(torch.tensor([state], device="cuda"), use_cache=True)
@@ -177,28 +307,54 @@ def bench_shape(name, args):
             c = copy.deepcopy(kv)
             return hf(qx, past_key_values=c, use_cache=True, logits_to_keep=1)
         try:
-            res["hf_hit_ms"] = timed(hf_hit)
+            res["hf_hit_ms"] = timed(hf_hit, reps=3, warm=1)
         except Exception as e:  # noqa: BLE001
             res["hf_hit_error"] = f"{type(e).__name__}: {e}"[:300]
+        del out, kv
     log(name, "hf continue from cache copy", res.get("hf_hit_ms"), res.get("hf_hit_error", ""))
+    # float32 run of the same weights
+    p32 = None
+    if not args.skip_f32:
+        w32 = weights_from_state_dict(cfg, sd, letters, "cuda", torch.float32)
+        p32 = PlainPath(Qwen35(w32), fk).forward([row])[0]
+        res["bf16_vs_f32"] = maxdiff(p16, p32)
+        log(name, "bf16 vs f32", res["bf16_vs_f32"])
+        del w32
+        gc.collect()
+        torch.cuda.empty_cache()
+    del sd
+    save()
+    if args.compile:  # the elementwise pieces fused by torch.compile (the product's default on CUDA)
+        t = time.perf_counter()
+        m16.compile_elementwise()
+        fk.grouped_max_q = 128  # measured: compiled grouped attention beats FlashAttention up to 128 queries
+        fk.span_softmax = Fused(span_softmax)
+        pc = plain16.forward([row])[0]
+        res["compiled_first_call_s"] = round(time.perf_counter() - t, 1)
+        res["compiled_plain_vs_eager"] = maxdiff(pc, p16)
+        res["compiled_plain_ms"] = timed(lambda: plain16.forward([row]))
+        log(name, "compiled plain", res["compiled_plain_ms"], "ms")
+        if prof_here:
+            profile(f"compiled_plain_{name}", lambda: plain16.forward([row]))
+    mode = "compiled_" if args.compile else ""
     # the state cache
     runner = ChunkRunner(m16, fk, max_pos=8192, max_slots=4)
     cache = StateCache(runner, CacheSettings(mb=args.cache_mb))
     t = time.perf_counter()
     a = cache.row(ids, 4096, slots, nopts)
     torch.cuda.synchronize()
-    res["first_cold_with_capture_ms"] = round(1000 * (time.perf_counter() - t), 1)
+    res[mode + "first_cold_with_capture_ms"] = round(1000 * (time.perf_counter() - t), 1)
     res["captures"] = dict(runner.stats)
     res["cold_path"] = a.path if a else None
     res["cached_vs_plain_bf16"] = maxdiff(a.probs, p16) if a else None
-    if not args.skip_f32 and a:
+    if p32 is not None and a:
         res["cached_vs_f32"] = maxdiff(a.probs, p32)
 
     def cold():
         cache.clear()
         return cache.row(ids, 4096, slots, nopts)
-    res["cold_ms"] = timed(cold, reps=3, warm=1)
-    log(name, "cold cached", res["cold_ms"], "ms", runner.stats)
+    res[mode + "cold_ms"] = timed(cold, reps=3, warm=1)
+    log(name, "cold cached", res[mode + "cold_ms"], "ms", runner.stats)
     cache.clear()
     cache.row(ids, 4096, slots, nopts)
     hits = [state + q(i) for i in range(1, 12)]
@@ -210,14 +366,15 @@ def bench_shape(name, args):
         a = cache.row(hits[i], 4096, [4159], [4])
         hp_["path"] = a.path
         return a
-    res["hit_ms"] = timed(hit, reps=10, warm=2)
-    if name in args.profile.split(","):
-        profile(f"hit_{name}", hit)
-        profile(f"cold_{name}", cold)
+    res[mode + "hit_ms"] = timed(hit, reps=20, warm=3)
+    res[mode + "hit_graph_ms"] = replay_ms(runner)
     res["hit_path"] = hp_["path"]
+    if prof_here:
+        profile(f"{mode}hit_{name}", hit)
+        profile(f"{mode}cold_{name}", cold)
     h = cache.row(ids, 4096, slots, nopts)
     res["hit_vs_plain_bf16"] = maxdiff(h.probs, p16)
-    log(name, "hit", res["hit_ms"], "ms", res["hit_path"], "agree", res["hit_vs_plain_bf16"])
+    log(name, "hit", res[mode + "hit_ms"], "ms; graph alone", res[mode + "hit_graph_ms"], res["hit_path"], "agree", res["hit_vs_plain_bf16"])
     # grown state (last tokens changed: restores p - tail) and middle change (restores the stride checkpoint)
     cnt = iter(range(1000))
 
@@ -226,7 +383,7 @@ def bench_shape(name, args):
         s2 = state[:4090] + torch.randint(0, V, (30,), generator=torch.Generator().manual_seed(500 + j)).tolist()
         a = cache.row(s2 + q(0), len(s2), [len(s2) + 63], [4])
         res["grown_path"], res["grown_reused"] = a.path, a.reused
-    res["grown_ms"] = timed(grown, reps=5, warm=1)
+    res[mode + "grown_ms"] = timed(grown, reps=5, warm=1)
 
     def middle():
         j = next(cnt)
@@ -234,38 +391,44 @@ def bench_shape(name, args):
         s2[3000] = (s2[3000] + 1 + j) % V
         a = cache.row(s2 + q(0), 4096, [4159], [4])
         res["middle_path"], res["middle_reused"] = a.path, a.reused
-    res["middle_ms"] = timed(middle, reps=5, warm=1)
+    res[mode + "middle_ms"] = timed(middle, reps=5, warm=1)
+    log(name, "grown", res[mode + "grown_ms"], res["grown_path"], res["grown_reused"], "middle", res[mode + "middle_ms"],
+        res["middle_path"], res["middle_reused"])
     # agreement of a partial row with the plain path
     s2 = state[:4090] + q(7)[:30]
     r2 = (s2 + q(0), [len(s2) + 63], [4])
     a = cache.row(r2[0], len(s2), r2[1], r2[2])
     res["partial_vs_plain_bf16"] = maxdiff(a.probs, plain16.forward([r2])[0])
     res["cache_info"] = cache.info()
-    if args.compile:  # the same with the elementwise pieces fused by torch.compile
-        try:
-            t = time.perf_counter()
-            m16.compile_elementwise()
-            pc = plain16.forward([row])[0]
-            res["compiled_first_call_s"] = round(time.perf_counter() - t, 1)
-            res["compiled_plain_vs_eager"] = maxdiff(pc, p16)
-            res["compiled_plain_ms"] = timed(lambda: plain16.forward([row]))
-            log(name, "compiled plain", res["compiled_plain_ms"], "ms")
-            if name in args.profile.split(","):
-                profile(f"compiled_plain_{name}", lambda: plain16.forward([row]))
-            runner.reset_graphs()
-            cache.clear()
-            res["compiled_cold_ms"] = timed(cold, reps=3, warm=1)
-            res["compiled_hit_ms"] = timed(hit, reps=10, warm=2)
-            if name in args.profile.split(","):
-                profile(f"compiled_hit_{name}", hit)
-            hc = cache.row(ids, 4096, slots, nopts)
-            res["compiled_hit_vs_plain"] = maxdiff(hc.probs, p16)
-            log(name, "compiled cold", res["compiled_cold_ms"], "hit", res["compiled_hit_ms"], hc.path)
-        except Exception:  # noqa: BLE001
-            res["compile_error"] = traceback.format_exc()[-1500:]
-            log(res["compile_error"])
-    log(name, "grown", res["grown_ms"], res["grown_path"], res["grown_reused"], "middle", res["middle_ms"], res["middle_path"], res["middle_reused"])
     res["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    save()
+    if p32 is not None and args.hf_f32:  # transformers' own bf16 vs float32 on the same weights
+        del cache, runner, m16, w16, plain16
+        gc.collect()
+        torch.cuda.empty_cache()
+        with torch.no_grad():
+            hf.float()
+            lg = hf(x).logits[0].float()
+            hp32 = [torch.softmax(lg[s, letters][:o], -1).tolist() for s, o in zip(slots, nopts)]
+        res["hf_bf16_vs_hf_f32"] = maxdiff(hp, hp32)
+        res["ours_f32_vs_hf_f32"] = maxdiff(p32, hp32)
+        log(name, "transformers bf16 vs its float32", res["hf_bf16_vs_hf_f32"], "ours f32 vs its f32", res["ours_f32_vs_hf_f32"])
+
+
+def replay_ms(runner, key=(64, 5120), reps=20):
+    """GPU milliseconds of one replay of the hit's chunk graph (the state buffers as the last row left them)."""
+    g = runner.graphs.get(key)
+    if g is None:
+        return None
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return round(statistics.median(ts), 3)
 
 
 def profile(tag, fn):
@@ -289,8 +452,16 @@ def main():
     ap.add_argument("--skip-f32", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also time with torch.compile'd elementwise pieces")
     ap.add_argument("--profile", default="9B,0.8B", help="shapes whose plain forward is profiled")
+    ap.add_argument("--micro", default="", help="shapes whose kernel variants are timed")
+    ap.add_argument("--hf-f32", action="store_true", help="also run transformers in float32 (bf16's own drift)")
+    ap.add_argument("--recurrent-max", type=int, default=None, help="FlaKernels.recurrent_max for this run")
+    ap.add_argument("--grouped-max-q", type=int, default=None, help="FlaKernels.grouped_max_q for this run")
     args = ap.parse_args()
     OUT = Path(args.out)
+    if args.recurrent_max is not None:
+        FlaKernels.recurrent_max = args.recurrent_max
+    if args.grouped_max_q is not None:
+        FlaKernels.grouped_max_q = args.grouped_max_q
     OUT.mkdir(parents=True, exist_ok=True)
     for step in [env, kernel_checks]:
         try:

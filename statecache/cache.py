@@ -54,6 +54,7 @@ class StateCache:
             raise ValueError(f"max_slots {self.s.max_slots} > the runner's {runner.max_slots}")
         self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align)
         self.cold_ok: Callable[[], bool] | None = None  # may a row with nothing to reuse take this path now?
+        self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
         self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "declined": 0, "tokens_reused": 0,
                       "tokens_computed": 0, "ckpts_made": 0, "evicted": 0}
 
@@ -116,21 +117,30 @@ class StateCache:
         return Answer([probs[j, : nopts[j]].tolist() for j in range(len(slots))], path, c0, n - c0)
 
     def _restore(self, c: Checkpoint | None) -> None:
+        """Load checkpoint c into the runner's static buffers (None: the empty state). The attention K/V of [0, pos)
+        are copied only when the buffers do not hold them already: `runner.kv_owner` is (group serial, length) of
+        the K/V they hold, which rows never overwrite below their restore point and a graph capture clears."""
         st = self.runner.st
         if c is None:
             st.reset()
+            self.runner.kv_owner = None
             return
         conv, S = c.payload
-        K, V = c.group.payload
+        K, V, serial = c.group.payload
         st.conv.copy_(conv)
         st.S.copy_(S)
-        st.K[:, : c.pos].copy_(K[:, : c.pos])
-        st.V[:, : c.pos].copy_(V[:, : c.pos])
+        owner = self.runner.kv_owner
+        if owner is None or owner[0] != serial or owner[1] < c.pos:
+            st.K[:, : c.pos].copy_(K[:, : c.pos])
+            st.V[:, : c.pos].copy_(V[:, : c.pos])
+        self.runner.kv_owner = (serial, c.pos)
 
     def _plant(self, ids, p: int, snaps) -> None:
         st = self.runner.st
         K, V = st.K[:, :p].clone(), st.V[:, :p].clone()
-        group = self.index.add_group(np.asarray(ids[:p], dtype=np.int64), (K, V), _nbytes(K, V))
+        self._serial += 1
+        self.runner.kv_owner = (self._serial, p)
+        group = self.index.add_group(np.asarray(ids[:p], dtype=np.int64), (K, V, self._serial), _nbytes(K, V))
         for pos, conv, S in snaps:
             self.index.add_checkpoint(group, pos, (conv, S), _nbytes(conv, S))
             self.stats["ckpts_made"] += 1

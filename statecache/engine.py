@@ -79,7 +79,7 @@ class Engine:
         if compile:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
-        self.kernels = kernels_for(self.device)
+        self.kernels = kernels_for(self.device, compile)
         settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb

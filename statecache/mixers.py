@@ -3,8 +3,8 @@
 - `PackedMixer`: B independent sequences packed into T tokens (cu_seqlens), each starting from nothing: the
   plain path.
 - `ChunkMixer`: one chunk of one sequence continuing from the saved state in a `ChunkState` (static buffers):
-  the conv runs over [saved inputs | chunk]; the delta rule starts from the saved S, with padding given g = 0 and
-  beta = 0 so S stops at the real end; attention writes the chunk's K/V at [start, start + L) and reads
+  the conv runs over [saved inputs | chunk]; the delta rule starts from the saved S (the model gives padding
+  g = 0 and beta = 0 through `live`, so S stops at the real end); attention writes the chunk's K/V at [start, start + L) and reads
   [cached K/V | causal chunk]. Chunk start and real length are device tensors, so a CUDA graph captured once
   serves every position.
 Neither knows weights or layers beyond the slot index `j` (GDN) / `a` (attention) it is handed.
@@ -21,6 +21,7 @@ class PackedMixer:
     def __init__(self, kernels, cu: torch.Tensor, max_len: int):
         self.k, self.cu, self.max_len = kernels, cu, max_len  # cu: int32 [B + 1]
         self.seq_cu = cu if cu.numel() > 2 else None  # one sequence: the GDN kernels' plain (non-varlen) form
+        self.live = None  # no padding tokens
 
     def conv(self, j: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.k.conv(x[None], w, self.seq_cu)[0]
@@ -71,7 +72,7 @@ class ChunkMixer:
         dev = st.S.device
         ar = torch.arange(L, device=dev)
         self.pos = st.start + ar  # [L] absolute positions
-        self.live = ar < st.real  # [L] real tokens
+        self.live = ar < st.real  # [L] real tokens (the model zeroes padding's gates with it)
         W1 = st.conv.shape[1]
         self.tail_idx = st.real + torch.arange(W1, device=dev)  # in [saved | chunk]: the last W - 1 real inputs
 
@@ -79,12 +80,10 @@ class ChunkMixer:
         W1 = self.st.conv.shape[1]
         xin = torch.cat([self.st.conv[j], x], 0)  # [W - 1 + L, C]
         y = self.k.conv(xin[None], w)[0, W1:]  # [L, C]
-        self.st.conv[j].copy_(xin.index_select(0, self.tail_idx))
+        torch.index_select(xin, 0, self.tail_idx, out=self.st.conv[j])
         return y
 
     def delta(self, j, q, k, v, g, beta):
-        g = g * self.live[:, None]  # padding: no decay
-        beta = beta * self.live[:, None].to(beta.dtype)  # padding: no write
         o, S = self.k.delta(q[None], k[None], v[None], g[None], beta[None], self.st.S[j : j + 1], None)
         self.st.S[j].copy_(S[0])
         return o[0]

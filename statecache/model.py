@@ -9,16 +9,12 @@ for the option letters. This module knows nothing of checkpoints, graphs, rows o
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
 from .config import LINEAR
+from .fuse import Fused
 from .loader import AttnWeights, GdnWeights, Weights
-
-log = logging.getLogger("statecache.model")
-
 
 def rmsnorm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm (w1 holds 1 + w, float32), computed in float32, returned in x's dtype."""
@@ -39,9 +35,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """a, b [T, Hv] -> log decay g (float32, <= 0) and write strength beta (model dtype)."""
-    return -A_log.exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+def add_rmsnorm(h: torch.Tensor, d: torch.Tensor, w1: torch.Tensor, eps: float):
+    """The residual add and the next norm in one piece: (h + d, rmsnorm(h + d) in d's dtype)."""
+    h = h + d
+    return h, rmsnorm(h, w1, eps).to(d.dtype)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, live: torch.Tensor | None):
+    """a, b [T, Hv] -> log decay g (float32, <= 0) and write strength beta (model dtype). live [T] (bool) | None:
+    padding tokens (live False) get g = 0 (no decay) and beta = 0 (no write), so the state stops at the real end."""
+    g, beta = -A_log.exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+    if live is not None:
+        g, beta = g * live[:, None], beta * live[:, None].to(beta.dtype)
+    return g, beta
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -53,23 +59,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([xr * c + torch.cat([-x2, x1], -1) * s, xp], -1)
 
 
-class _Fused:
-    """A torch.compile'd function that falls back to the eager one if compiling or running it fails."""
+def norm_rotate(x: torch.Tensor, w1: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Attention's per-head q / k norm followed by the rotary embedding: x [T, heads, D]."""
+    return rotate(rmsnorm(x, w1, eps), cos, sin)
 
-    def __init__(self, fn):
-        self.eager = fn
-        self.fast = torch.compile(fn, dynamic=True, fullgraph=True)
-        self.ok = True
 
-    def __call__(self, *args):
-        if self.ok:
-            try:
-                return self.fast(*args)
-            except Exception as e:  # noqa: BLE001 - compile problems must not stop the service
-                self.ok = False
-                log.warning("torch.compile of %s failed (%s: %s); using the eager form", self.eager.__name__,
-                            type(e).__name__, str(e)[:200])
-        return self.eager(*args)
+def gate_output(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated attention's output gate: o, gate [T, Hq, D] -> o * sigmoid(gate) as [T, Hq * D]."""
+    return (o * torch.sigmoid(gate)).flatten(1)
+
+
+PIECES = (rmsnorm, add_rmsnorm, gated_rmsnorm, norm_rotate, silu_mul, gdn_gates, gate_output)
 
 
 class Qwen35:
@@ -92,13 +92,13 @@ class Qwen35:
             for j, i in enumerate(kind_layers):
                 self.slot[i] = j
         # the elementwise pieces; `compile_elementwise` swaps in fused (torch.compile) versions on the GPU
-        self.norm, self.gnorm, self.rot, self.act, self.gates = rmsnorm, gated_rmsnorm, rotate, silu_mul, gdn_gates
+        self.norm, self.add_norm, self.gnorm, self.qk_prep, self.act, self.gates, self.gate_out = PIECES
 
     def compile_elementwise(self) -> None:
         """Fuse the elementwise pieces with torch.compile (Triton on CUDA): one kernel each instead of several.
         Each falls back to its eager form, for good, if compiling it fails."""
-        self.norm, self.gnorm, self.rot, self.act, self.gates = (
-            _Fused(rmsnorm), _Fused(gated_rmsnorm), _Fused(rotate), _Fused(silu_mul), _Fused(gdn_gates))
+        (self.norm, self.add_norm, self.gnorm, self.qk_prep, self.act, self.gates,
+         self.gate_out) = (Fused(f) for f in PIECES)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [T] (long) -> cos, sin [T, rotary_dim] in the model dtype."""
@@ -117,7 +117,7 @@ class Qwen35:
         q = q.reshape(T, -1, cfg.linear_key_head_dim)  # [T, Hk, Dk]
         k = k.reshape(T, -1, cfg.linear_key_head_dim)
         v = v.reshape(T, -1, cfg.linear_value_head_dim)  # [T, Hv, Dv]
-        g, beta = self.gates(a, b, m.A_log, m.dt_bias)  # [T, Hv] each: float32 log decay <= 0, model dtype
+        g, beta = self.gates(a, b, m.A_log, m.dt_bias, mix.live)  # [T, Hv] each: float32 log decay <= 0, model dtype
         o = mix.delta(self.slot[i], q, k, v, g, beta)  # [T, Hv, Dv]
         o = self.gnorm(o, z.reshape(T, Hv, -1), m.norm_w, self.eps)
         return o.reshape(T, vd) @ m.out_w.T
@@ -128,26 +128,28 @@ class Qwen35:
         T, Hq, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qg, k, v = torch.split(x @ m.qkv_w.T, [2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = torch.chunk(qg.view(T, Hq, 2 * D), 2, dim=-1)  # [T, Hq, D] each
-        q = self.norm(q, m.q_norm, self.eps)
-        k = self.norm(k.view(T, Hkv, D), m.k_norm, self.eps)
         cos, sin = rope
-        q, k = self.rot(q, cos, sin), self.rot(k, cos, sin)
+        q = self.qk_prep(q, m.q_norm, cos, sin, self.eps)
+        k = self.qk_prep(k.view(T, Hkv, D), m.k_norm, cos, sin, self.eps)
         o = mix.attend(self.slot[i], q, k, v.view(T, Hkv, D), D**-0.5)  # [T, Hq, D]
-        return (o.reshape(T, Hq * D) * torch.sigmoid(gate.reshape(T, Hq * D))) @ m.o_w.T
-
-    def layer(self, i: int, h: torch.Tensor, mix, rope) -> torch.Tensor:
-        L = self.w.layers[i]
-        x = self.norm(h, L.in_norm, self.eps).to(self.dtype)
-        h = h + (self.gdn(i, x, mix) if L.kind == LINEAR else self.attn(i, x, mix, rope))
-        x = self.norm(h, L.post_norm, self.eps).to(self.dtype)
-        return h + self.act(x @ L.gate_up_w.T) @ L.down_w.T
+        return self.gate_out(o, gate) @ m.o_w.T
 
     def body(self, ids: torch.Tensor, pos: torch.Tensor, mix) -> torch.Tensor:
-        """ids, pos [T] -> the last layer's hidden states [T, H] (before the final norm)."""
+        """ids, pos [T] -> the last layer's hidden states [T, H] (before the final norm).
+
+        Each residual add is fused with the norm after it, so x is always the normed input of the next block."""
+        layers = self.w.layers
         h = self.w.embed.index_select(0, ids).to(self.hdtype)  # [T, H]
         rope = self.rope(pos)
-        for i in range(self.cfg.num_layers):
-            h = self.layer(i, h, mix, rope)
+        x = self.norm(h, layers[0].in_norm, self.eps).to(self.dtype)
+        for i, L in enumerate(layers):
+            d = self.gdn(i, x, mix) if L.kind == LINEAR else self.attn(i, x, mix, rope)  # [T, H]
+            h, x = self.add_norm(h, d, L.post_norm, self.eps)
+            d = self.act(x @ L.gate_up_w.T) @ L.down_w.T
+            if i + 1 < len(layers):
+                h, x = self.add_norm(h, d, layers[i + 1].in_norm, self.eps)
+            else:
+                h = h + d
         return h
 
     def letter_probs(self, h: torch.Tensor, nopts: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ def bucket(n: int, sizes) -> int | None:
 
 @dataclass
 class _Graph:
+    inp: torch.Tensor  # [L + 2 * max_slots] long: ids | slots | nopts, filled by one copy per run
     ids: torch.Tensor  # [L] long
     slots: torch.Tensor  # [max_slots] long, relative to the chunk start
     nopts: torch.Tensor  # [max_slots] long
@@ -57,6 +58,7 @@ class ChunkRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.stats = {"captures": 0, "capture_s": 0.0, "capture_failed": 0}
         self.failures: list[str] = []
+        self.kv_owner: tuple[int, int] | None = None  # the cache's tag for the K/V the buffers hold; capture clears it
 
     @property
     def max_chunk(self) -> int:
@@ -93,15 +95,24 @@ class ChunkRunner:
         return self.model.letter_probs(h.index_select(0, slots), nopts)  # [max_slots, n_letters]
 
     def _buffers(self, L: int) -> _Graph:
-        dev = self.device
-        return _Graph(
-            ids=torch.zeros(L, dtype=torch.long, device=dev),
-            slots=torch.zeros(self.max_slots, dtype=torch.long, device=dev),
-            nopts=torch.full((self.max_slots,), 2, dtype=torch.long, device=dev),
-            out=None, graph=None)
+        inp = self._host_inputs(L, [], 0, None, None).to(self.device)
+        ids, slots, nopts = torch.split(inp, [L, self.max_slots, self.max_slots])
+        return _Graph(inp=inp, ids=ids, slots=slots, nopts=nopts, out=None, graph=None)
+
+    def _host_inputs(self, L: int, ids, s: int, slots, nopts) -> torch.Tensor:
+        """ids (zero-padded to L) | slots relative to s | nopts (2 past the real slots), as one host tensor."""
+        m = self.max_slots
+        inp = torch.zeros(L + 2 * m, dtype=torch.long)
+        inp[: len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        inp[L + m :] = 2
+        if slots:
+            inp[L : L + len(slots)] = torch.as_tensor([x - s for x in slots])
+            inp[L + m : L + m + len(nopts)] = torch.as_tensor(nopts)
+        return inp
 
     def _capture(self, L: int, span: int) -> _Graph | None:
         t0 = time.perf_counter()
+        self.kv_owner = None  # the warm-up runs overwrite the state buffers
         g = self._buffers(L)
         self.st.start.fill_(0)
         self.st.real.fill_(L)
@@ -160,27 +171,17 @@ class ChunkRunner:
         if key is None:
             raise NotCaptured(f"chunk [{s}, {e}) has no shape")
         L, span = key
-        n = e - s
-        ids_t = torch.as_tensor(ids[s:e], dtype=torch.long)
-        sl = torch.zeros(self.max_slots, dtype=torch.long)
-        no = torch.full((self.max_slots,), 2, dtype=torch.long)
-        if slots:
-            sl[: len(slots)] = torch.as_tensor([x - s for x in slots])
-            no[: len(nopts)] = torch.as_tensor(nopts)
+        inp = self._host_inputs(L, ids[s:e], s, slots, nopts)
         self.st.start.fill_(s)
-        self.st.real.fill_(n)
+        self.st.real.fill_(e - s)
         if not self.use_graphs:
-            buf = torch.zeros(L, dtype=torch.long)
-            buf[:n] = ids_t
+            ids_d, sl, no = torch.split(inp.to(self.device), [L, self.max_slots, self.max_slots])
             with torch.no_grad():
-                return self._forward(buf.to(self.device), sl.to(self.device), no.to(self.device), L, span)
+                return self._forward(ids_d, sl, no, L, span)
         g = self.graphs.get(key)
         if g is None:
             raise NotCaptured(f"no graph for {key}")
-        g.ids[n:].zero_()
-        g.ids[:n].copy_(ids_t, non_blocking=True)
-        g.slots.copy_(sl, non_blocking=True)
-        g.nopts.copy_(no, non_blocking=True)
+        g.inp.copy_(inp)  # from pageable memory: the host tensor may go as soon as this returns
         g.graph.replay()
         return g.out
 

@@ -72,6 +72,28 @@ def test_same_state_again_is_a_hit(pad):
 
 
 @pytest.mark.parametrize("pad", PADS)
+def test_resident_kv_is_not_copied_again_but_a_clobbered_buffer_is(pad):
+    """A hit on the state whose K/V the static buffers already hold skips the K/V copy: with the group's stored K/V
+    poisoned, the answer is still right. Once another state ran (or the buffers were overwritten), the copy happens."""
+    cache = make_cache(pad)
+    a_state, b_state = toks(300, 41), toks(300, 42)
+    ask(cache, a_state + question(20, 41), 300, [319], [4])
+    K, V, serial = cache.index.lookup(a_state + question(5, 1), limit=256).group.payload
+    saved = K.clone()
+    K.fill_(1e4)  # poison the stored copy: a hit that copies it answers wrong
+    assert cache.runner.kv_owner == (serial, 256)
+    ask(cache, a_state + question(30, 43), 300, [329], [4])  # the buffers hold a's K/V already: no copy
+    K.copy_(saved)
+    ask(cache, b_state + question(20, 44), 300, [319], [4])  # another state: the buffers now hold b's K/V
+    assert cache.runner.kv_owner[0] != serial
+    ask(cache, a_state + question(25, 45), 300, [324], [4])  # back to a: copied from the (restored) store
+    assert cache.runner.kv_owner == (serial, 256)
+    cache.runner.st.K.fill_(-1e4)  # something overwrote the buffers and said so (as a graph capture does)
+    cache.runner.kv_owner = None
+    ask(cache, a_state + question(26, 46), 300, [325], [4])
+
+
+@pytest.mark.parametrize("pad", PADS)
 def test_grown_state_restores_p_minus_tail(pad):
     cache = make_cache(pad)
     state = toks(256, 2)  # p = 256 exactly: the tail checkpoint is at down(256 - 16) = 192

@@ -262,3 +262,19 @@ def test_delta_rule_padding_is_a_no_op():
     o, S = delta_rule_reference(_repeat(q[:real], 2), _repeat(k[:real], 2), v[:real], g[:real], beta[:real], init)
     assert (S_pad - S).abs().max() < DELTA_TOL
     assert (o_pad[:real] - o).abs().max() < DELTA_TOL
+
+
+@pytest.mark.parametrize("L,P,start,Hq,Hkv", [(16, 256, 100, 8, 2), (64, 512, 448, 4, 4), (5, 128, 0, 6, 3)])
+def test_grouped_span_attention_matches_reference(L, P, start, Hq, Hkv):
+    """The GPU's short-chunk attention (batched matmuls per KV head group) equals the masked SDPA reference."""
+    from statecache.kernels import TorchKernels, attend_grouped
+
+    g = torch.Generator().manual_seed(L + P)
+    q = torch.randn(L, Hq, 32, generator=g)
+    k, v = torch.randn(P, Hkv, 32, generator=g), torch.randn(P, Hkv, 32, generator=g)
+    k[start + L :] = 1e4  # keys past the chunk hold garbage: they must be masked
+    st = torch.tensor(start)
+    ref = TorchKernels().attend_span(q, k, v, st, 32**-0.5)
+    got = attend_grouped(q, k, v, st, 32**-0.5)
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, atol=1e-5)
