@@ -278,7 +278,7 @@ def bench_shape(name, args):
     fk = FlaKernels()
     res["kernels"] = {"flash_gqa": fk.flash_gqa, "bmm_f32": fk.bmm_f32, "grouped_max_q": fk.grouped_max_q,
                       "recurrent_max": fk.recurrent_max}
-    plain16 = PlainPath(m16, fk)
+    plain16 = PlainPath(m16, fk, graphs=False, pad=False)  # packed and eager: the path a backed-up queue takes
     g = torch.Generator().manual_seed(1)
     V = cfg.vocab_size
     state = torch.randint(0, V, (4096,), generator=g).tolist()
@@ -289,6 +289,12 @@ def bench_shape(name, args):
     p16 = plain16.forward([row])[0]
     res["plain_ms"] = timed(lambda: plain16.forward([row]))
     log(name, "plain bf16 (eager)", res["plain_ms"], "ms")
+    pg = PlainPath(m16, fk)  # a lone row as one CUDA graph (the default for single rows on CUDA)
+    t = time.perf_counter()
+    res["plain_graph_vs_eager"] = maxdiff(pg.forward([row])[0], p16)
+    res["plain_graph_capture_s"] = round(time.perf_counter() - t, 1)
+    res["plain_graph_ms"] = timed(lambda: pg.forward([row]))
+    log(name, "plain bf16, one graph (eager pieces)", res["plain_graph_ms"], "ms; capture", res["plain_graph_capture_s"], "s")
     # transformers on the same weights
     x = torch.tensor([ids], device="cuda")
     with torch.no_grad():
@@ -334,8 +340,15 @@ def bench_shape(name, args):
         res["compiled_plain_vs_eager"] = maxdiff(pc, p16)
         res["compiled_plain_ms"] = timed(lambda: plain16.forward([row]))
         log(name, "compiled plain", res["compiled_plain_ms"], "ms")
+        pg = PlainPath(m16, fk)
+        t = time.perf_counter()
+        res["compiled_plain_graph_vs_eager"] = maxdiff(pg.forward([row])[0], p16)
+        res["compiled_plain_graph_capture_s"] = round(time.perf_counter() - t, 1)
+        res["compiled_plain_graph_ms"] = timed(lambda: pg.forward([row]))
+        log(name, "compiled plain, one graph", res["compiled_plain_graph_ms"], "ms; capture", res["compiled_plain_graph_capture_s"], "s")
         if prof_here:
             profile(f"compiled_plain_{name}", lambda: plain16.forward([row]))
+            profile(f"compiled_plain_graph_{name}", lambda: pg.forward([row]))
     mode = "compiled_" if args.compile else ""
     # the state cache
     runner = ChunkRunner(m16, fk, max_pos=8192, max_slots=4)
@@ -403,7 +416,7 @@ def bench_shape(name, args):
     res["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     save()
     if p32 is not None and args.hf_f32:  # transformers' own bf16 vs float32 on the same weights
-        del cache, runner, m16, w16, plain16
+        del cache, runner, m16, w16, plain16, pg
         gc.collect()
         torch.cuda.empty_cache()
         with torch.no_grad():
@@ -450,6 +463,7 @@ def main():
     ap.add_argument("--shapes", default="0.8B,2B,9B")
     ap.add_argument("--cache-mb", type=int, default=8192)
     ap.add_argument("--skip-f32", action="store_true")
+    ap.add_argument("--skip-checks", action="store_true", help="skip the kernel checks (fla autotunes ~2 min for them)")
     ap.add_argument("--compile", action="store_true", help="also time with torch.compile'd elementwise pieces")
     ap.add_argument("--profile", default="9B,0.8B", help="shapes whose plain forward is profiled")
     ap.add_argument("--micro", default="", help="shapes whose kernel variants are timed")
@@ -463,7 +477,7 @@ def main():
     if args.grouped_max_q is not None:
         FlaKernels.grouped_max_q = args.grouped_max_q
     OUT.mkdir(parents=True, exist_ok=True)
-    for step in [env, kernel_checks]:
+    for step in [env] + ([] if args.skip_checks else [kernel_checks]):
         try:
             step()
         except Exception:  # noqa: BLE001

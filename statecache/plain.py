@@ -1,19 +1,46 @@
-"""The plain path: many rows packed into one variable-length forward (cu_seqlens), no checkpoints.
+"""The plain path: rows with nothing to reuse, no checkpoints.
 
-Highest throughput for rows with nothing to reuse. Rows are packed greedily up to `max_tokens` per forward.
+Two forms:
+- packed: many rows in one variable-length forward (cu_seqlens), greedily up to `max_tokens` per forward; the
+  throughput form for a backed-up queue.
+- single: one row alone, its tokens zero-padded to a multiple of `bucket` (everything is causal, so padding after
+  the row changes nothing before it). On CUDA each (padded length, slot bucket) is one CUDA graph, captured on
+  first use into one shared pool, so a lone uncached row pays no Python or launch overhead. A shape that fails
+  to capture is remembered and that row runs packed instead.
 Knows nothing of the cache, the memo or Redis.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
+
 import torch
 
 from .mixers import PackedMixer
 
+log = logging.getLogger("statecache.plain")
+SLOT_BUCKETS = (4, 16, 64)  # answer slots a single-row graph has room for
+
+
+@dataclass
+class _Graph:
+    inp: torch.Tensor  # [T + 2 * S] long: ids | slots | nopts
+    out: torch.Tensor | None  # [S, n_letters] float32
+    graph: "torch.cuda.CUDAGraph | None"
+
 
 class PlainPath:
-    def __init__(self, model, kernels, max_tokens: int = 16384):
+    def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
+                 bucket: int = 64, max_graph_tokens: int = 8192):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
+        self.use_graphs = (model.device.type == "cuda") if graphs is None else graphs
+        self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)  # single rows padded to `bucket`
+        self.bucket, self.max_graph_tokens = bucket, max_graph_tokens
+        self.graphs: dict[tuple[int, int], _Graph | None] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.stats = {"captures": 0, "capture_s": 0.0, "capture_failed": 0}
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices of rows packed greedily into forwards of at most max_tokens tokens (a longer row goes alone)."""
@@ -34,22 +61,97 @@ class PlainPath:
         """rows: (ids, slots, nopts) each -> per row, per slot, the option probabilities."""
         results: list = [None] * len(rows)
         for batch in self.batches([len(r[0]) for r in rows]):
-            dev = self.model.device
-            ids = torch.tensor([t for i in batch for t in rows[i][0]], dtype=torch.long)
-            lens = [len(rows[i][0]) for i in batch]
-            starts = [0]
-            for n in lens:
-                starts.append(starts[-1] + n)
-            pos = torch.cat([torch.arange(n) for n in lens])
-            slot_idx = torch.tensor([starts[k] + s for k, i in enumerate(batch) for s in rows[i][1]], dtype=torch.long)
-            nopts = torch.tensor([o for i in batch for o in rows[i][2]], dtype=torch.long)
-            cu = torch.tensor(starts, dtype=torch.int32, device=dev)
-            mix = PackedMixer(self.kernels, cu, max(lens))
-            h = self.model.body(ids.to(dev), pos.to(dev), mix)  # [T, H]
-            probs = self.model.letter_probs(h.index_select(0, slot_idx.to(dev)), nopts.to(dev)).float().cpu()
-            j = 0
-            for i in batch:
-                _, slots, no = rows[i]
-                results[i] = [probs[j + k, : no[k]].tolist() for k in range(len(slots))]
-                j += len(slots)
+            if len(batch) == 1 and self.pad:
+                got = self._single(*rows[batch[0]])
+                if got is not None:
+                    results[batch[0]] = got
+                    continue
+            self._packed(rows, batch, results)
         return results
+
+    # ---- packed ---------------------------------------------------------------------------------------------------
+
+    def _packed(self, rows, batch: list[int], results: list) -> None:
+        dev = self.model.device
+        ids = torch.tensor([t for i in batch for t in rows[i][0]], dtype=torch.long)
+        lens = [len(rows[i][0]) for i in batch]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        pos = torch.cat([torch.arange(n) for n in lens])
+        slot_idx = torch.tensor([starts[k] + s for k, i in enumerate(batch) for s in rows[i][1]], dtype=torch.long)
+        nopts = torch.tensor([o for i in batch for o in rows[i][2]], dtype=torch.long)
+        cu = torch.tensor(starts, dtype=torch.int32, device=dev)
+        mix = PackedMixer(self.kernels, cu, max(lens))
+        h = self.model.body(ids.to(dev), pos.to(dev), mix)  # [T, H]
+        probs = self.model.letter_probs(h.index_select(0, slot_idx.to(dev)), nopts.to(dev)).float().cpu()
+        j = 0
+        for i in batch:
+            _, slots, no = rows[i]
+            results[i] = [probs[j + k, : no[k]].tolist() for k in range(len(slots))]
+            j += len(slots)
+
+    # ---- single, padded (one CUDA graph per shape) ----------------------------------------------------------------
+
+    def shape(self, n: int, n_slots: int) -> tuple[int, int] | None:
+        """(padded length, slot bucket) of a lone row; None when it is too long or has too many slots."""
+        T = -(-n // self.bucket) * self.bucket
+        S = next((b for b in SLOT_BUCKETS if n_slots <= b), None)
+        if T > self.max_graph_tokens or S is None:
+            return None
+        return T, S
+
+    def _run(self, inp: torch.Tensor, T: int, S: int) -> torch.Tensor:
+        ids, slots, nopts = torch.split(inp, [T, S, S])
+        dev = inp.device
+        cu = torch.arange(0, 2 * T, T, dtype=torch.int32, device=dev)  # [0, T], made on the device (graph-safe)
+        h = self.model.body(ids, torch.arange(T, device=dev), PackedMixer(self.kernels, cu, T))  # [T, H]
+        return self.model.letter_probs(h.index_select(0, slots), nopts)  # [S, n_letters]
+
+    def _capture(self, T: int, S: int) -> _Graph | None:
+        t0 = time.perf_counter()
+        g = _Graph(inp=torch.zeros(T + 2 * S, dtype=torch.long, device=self.model.device), out=None, graph=None)
+        g.inp[T + S :] = 2
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run(g.inp, T, S)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                g.out = self._run(g.inp, T, S)
+            g.graph = graph
+        except Exception as e:  # noqa: BLE001 - this shape runs packed (eager) from now on
+            torch.cuda.synchronize()
+            log.warning("plain graph (%d tokens, %d slots) failed to capture: %s: %s", T, S, type(e).__name__, str(e)[:200])
+            self.stats["capture_failed"] += 1
+            g = None
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
+        return g
+
+    def _single(self, ids, slots, nopts) -> list[list[float]] | None:
+        key = self.shape(len(ids), len(slots))
+        if key is None:
+            return None
+        T, S = key
+        inp = torch.zeros(T + 2 * S, dtype=torch.long)
+        inp[: len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        inp[T : T + len(slots)] = torch.as_tensor(slots, dtype=torch.long)
+        inp[T + S :] = 2
+        inp[T + S : T + S + len(nopts)] = torch.as_tensor(nopts, dtype=torch.long)
+        if self.use_graphs:
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(T, S)
+            g = self.graphs[key]
+            if g is None:
+                return None
+            g.inp.copy_(inp)  # from pageable memory: the host tensor may go as soon as this returns
+            g.graph.replay()
+            out = g.out
+        else:
+            out = self._run(inp.to(self.model.device), T, S)
+        probs = out[: len(slots)].float().cpu()
+        return [probs[k, : nopts[k]].tolist() for k in range(len(slots))]
