@@ -45,6 +45,22 @@ def test_conv_and_attention_match_reference(kernels):
     assert (a.float() - b.float()).abs().max() < 2e-2
 
 
+def test_plain_lone_row_graph_matches_packed_eager(kernels):
+    """A lone plain row as a padded CUDA graph answers as the packed eager forward (bf16, the tiny model)."""
+    from statecache.engine import Engine
+    from statecache.plain import PlainPath
+
+    eng = Engine(device="cuda", dtype="bfloat16", compile=False)
+    eager = PlainPath(eng.model, eng.kernels, graphs=False, pad=False)
+    g = torch.Generator().manual_seed(1)
+    for n in (50, 130):
+        row = (torch.randint(0, eng.vocab_size, (n,), generator=g).tolist(), [n - 1, n // 2], [4, 6])
+        got = eng.plain.forward([row])[0]
+        want = eager.forward([row])[0]
+        assert eng.plain.graphs[eng.plain.shape(n, 2)] is not None
+        assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y)) < 1e-2
+
+
 def test_graph_cached_rows_match_plain_bf16(kernels):
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
