@@ -316,7 +316,7 @@ def bench_shape(name, args):
             res["hf_hit_ms"] = timed(hf_hit, reps=3, warm=1)
         except Exception as e:  # noqa: BLE001
             res["hf_hit_error"] = f"{type(e).__name__}: {e}"[:300]
-        del out, kv
+        kv = out = None  # free transformers' cache before ours is made
     log(name, "hf continue from cache copy", res.get("hf_hit_ms"), res.get("hf_hit_error", ""))
     # float32 run of the same weights
     p32 = None

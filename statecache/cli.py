@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     sc.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on cuda, float32 on cpu")
     sc.add_argument("--cache-mb", type=int, default=None, help="state cache bound in MiB (0: no cache)")
-    sc.add_argument("--precapture", action="store_true", help="capture every CUDA graph before reading rows")
+    sc.add_argument("--precapture", action="store_true", help="capture every chunk CUDA graph before reading rows (lone plain rows' graphs are captured on first use)")
     sub.add_parser("demo", help="simulated agents through Redis and the worker (see README)")
     args = ap.parse_args(argv)
     return _score(args)

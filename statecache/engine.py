@@ -86,7 +86,7 @@ class Engine:
         self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
         self.cache = StateCache(self.runner, settings)
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
-        self.plain = PlainPath(self.model, self.kernels, plain_tokens)
+        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
@@ -204,4 +204,5 @@ class Engine:
         c = self.cache.info()
         return {**{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
-                "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c}
+                "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
+                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values()))}

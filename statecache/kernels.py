@@ -132,7 +132,7 @@ def attend_grouped(q, k, v, start, scale: float, softmax=span_softmax, f32_score
     position. For short chunks, where FlashAttention has too few blocks to fill the GPU.
     q [L, Hq, D], k, v [P, Hkv, D], start (long scalar tensor) -> [L, Hq, D]. f32_scores: bmm writes float32."""
     L, Hq, D = q.shape
-    P, Hkv = k.shape[0], k.shape[1]
+    Hkv = k.shape[1]
     R = Hq // Hkv
     qg = q.view(L, Hkv, R, D).permute(1, 2, 0, 3).reshape(Hkv, R * L, D)  # [Hkv, R*L, D]
     kt = k.permute(1, 2, 0)  # [Hkv, D, P] (a strided view)

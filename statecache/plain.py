@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .graphs import capture
 from .mixers import PackedMixer
 
 log = logging.getLogger("statecache.plain")
@@ -33,13 +34,13 @@ class _Graph:
 
 class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
-                 bucket: int = 64, max_graph_tokens: int = 8192):
+                 bucket: int = 64, max_graph_tokens: int = 8192, pool=None):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.use_graphs = (model.device.type == "cuda") if graphs is None else graphs
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)  # single rows padded to `bucket`
         self.bucket, self.max_graph_tokens = bucket, max_graph_tokens
         self.graphs: dict[tuple[int, int], _Graph | None] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = {"captures": 0, "capture_s": 0.0, "capture_failed": 0}
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
@@ -113,16 +114,7 @@ class PlainPath:
         g = _Graph(inp=torch.zeros(T + 2 * S, dtype=torch.long, device=self.model.device), out=None, graph=None)
         g.inp[T + S :] = 2
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._run(g.inp, T, S)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                g.out = self._run(g.inp, T, S)
-            g.graph = graph
+            g.graph, g.out = capture(lambda: self._run(g.inp, T, S), self.pool)
         except Exception as e:  # noqa: BLE001 - this shape runs packed (eager) from now on
             torch.cuda.synchronize()
             log.warning("plain graph (%d tokens, %d slots) failed to capture: %s: %s", T, S, type(e).__name__, str(e)[:200])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .graphs import capture
 from .mixers import ChunkMixer, ChunkState
 
 CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # chunk lengths a graph is captured for (tokens)
@@ -44,7 +45,7 @@ class NotCaptured(Exception):
 
 class ChunkRunner:
     def __init__(self, model, kernels, *, max_pos: int = 8192, span_step: int = 1024, max_slots: int = 4,
-                 graphs: bool | None = None, pad: bool | None = None, chunks=CHUNKS):
+                 graphs: bool | None = None, pad: bool | None = None, chunks=CHUNKS, pool=None):
         self.model, self.kernels = model, kernels
         self.device = model.device
         self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
@@ -55,7 +56,7 @@ class ChunkRunner:
         self.max_slots = max_slots
         self.st = ChunkState.allocate(model.cfg, self.max_pos, self.device, model.dtype)
         self.graphs: dict[tuple[int, int], _Graph | None] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None  # shared with the plain path
         self.stats = {"captures": 0, "capture_s": 0.0, "capture_failed": 0}
         self.failures: list[str] = []
         self.kv_owner: tuple[int, int] | None = None  # the cache's tag for the K/V the buffers hold; capture clears it
@@ -117,16 +118,7 @@ class ChunkRunner:
         self.st.start.fill_(0)
         self.st.real.fill_(L)
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(2):
-                    self._forward(g.ids, g.slots, g.nopts, L, span)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
-                g.out = self._forward(g.ids, g.slots, g.nopts, L, span)
-            g.graph = graph
+            g.graph, g.out = capture(lambda: self._forward(g.ids, g.slots, g.nopts, L, span), self.pool)
         except Exception as e:  # noqa: BLE001 - the shape stays uncaptured; rows needing it take the plain path
             torch.cuda.synchronize()
             self.failures.append(f"({L}, {span}): {type(e).__name__}: {str(e)[:200]}")

@@ -1,0 +1,90 @@
+"""The graph-mode bookkeeping of the chunk runner and the plain path, on the CPU.
+
+CUDA graphs need a GPU, but everything around them (shape keys, the one input buffer per graph, slots and option
+counts as device data, captures before restores, a failed capture sending the row elsewhere, the shared pool) is
+plain Python. Here `capture` is replaced by a stand-in whose "graph" re-runs the captured function and writes into
+the captured output, exactly what a replay means, so those paths run with real models and are checked against
+the plain forward (float32, 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import statecache.plain as plain_mod
+import statecache.runner as runner_mod
+from statecache.cache import CacheSettings, StateCache
+from statecache.kernels import TorchKernels
+from statecache.plain import PlainPath
+from statecache.runner import ChunkRunner
+from tests.cache_util import assert_close, one_thread, reference, small_model, toks
+
+
+class ReplayGraph:
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.fn())
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    calls = {"captures": [], "fail": set()}
+
+    def capture(fn, pool, warmup=2):
+        calls["captures"].append(pool)
+        for _ in range(warmup):
+            out = fn()
+        if out.shape[0] in calls["fail"]:
+            raise RuntimeError("capture refused (test)")
+        out = fn()
+        return ReplayGraph(fn, out), out
+
+    monkeypatch.setattr(runner_mod, "capture", capture)
+    monkeypatch.setattr(plain_mod, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    with one_thread():
+        yield calls
+
+
+def test_cached_rows_through_replayed_graphs(fake_graphs):
+    runner = ChunkRunner(small_model(), TorchKernels(), graphs=True)
+    assert runner.pad and runner.pool == "the-pool"
+    cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128))
+    state = toks(300, 61)
+    for q, path in enumerate(["cold", "hit", "hit"]):
+        ids = state + toks(17 + 9 * q, 70 + q)
+        slots, nopts = [len(ids) - 1, 300], [4, 9]
+        ans = cache.row(ids, 300, slots, nopts)
+        assert ans is not None and ans.path == path
+        assert_close(ans.probs, reference(ids, slots, nopts))
+    assert all(g is not None for g in runner.graphs.values())
+    assert sum(g.graph.replays for g in runner.graphs.values()) >= 5  # chunks of the cold row + each question
+    assert runner.stats["captures"] == len(runner.graphs) == len(fake_graphs["captures"])
+
+
+def test_failed_capture_sends_the_row_elsewhere(fake_graphs):
+    runner = ChunkRunner(small_model(), TorchKernels(), graphs=True)
+    cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128))
+    fake_graphs["fail"].add(runner.max_slots)  # every chunk graph's output has max_slots rows: all refuse
+    ids = toks(300, 62) + toks(20, 63)
+    assert cache.row(ids, 300, [319], [4]) is None
+    assert runner.stats["capture_failed"] == 1 and runner.failures
+    assert cache.stats["rows"] == 0 and len(cache.index) == 0
+
+
+def test_lone_plain_rows_through_replayed_graphs(fake_graphs):
+    plain = PlainPath(small_model(), TorchKernels(), graphs=True, pool="shared")
+    rows = [(toks(n, 80 + n), [n - 1, n // 3], [3, 6]) for n in (40, 64, 65, 130)]
+    for row in rows:
+        assert_close(plain.forward([row])[0], reference(*row))
+    assert sorted(plain.graphs) == [(64, 4), (128, 4), (192, 4)]  # 40 and 64 share the 64-token graph
+    assert plain.graphs[(64, 4)].graph.replays == 2 and set(fake_graphs["captures"]) == {"shared"}
+    fake_graphs["fail"].add(16)  # a row with 5 slots needs the 16-slot graph, which refuses: it runs packed
+    row = (toks(50, 90), [10, 20, 30, 40, 49], [2, 3, 4, 5, 6])
+    assert_close(plain.forward([row])[0], reference(*row))
+    assert plain.graphs[(64, 16)] is None and plain.stats["capture_failed"] == 1
