@@ -12,16 +12,13 @@ Knows nothing of the cache, the memo or Redis.
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
-from .graphs import capture
+from .graphs import new_stats, pack_inputs, try_capture
 from .mixers import PackedMixer
 
-log = logging.getLogger("statecache.plain")
 SLOT_BUCKETS = (4, 16, 64)  # answer slots a single-row graph has room for
 
 
@@ -41,7 +38,8 @@ class PlainPath:
         self.bucket, self.max_graph_tokens = bucket, max_graph_tokens
         self.graphs: dict[tuple[int, int], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
-        self.stats = {"captures": 0, "capture_s": 0.0, "capture_failed": 0}
+        self.stats = new_stats()
+        self.failures: list[str] = []
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices of rows packed greedily into forwards of at most max_tokens tokens (a longer row goes alone)."""
@@ -110,18 +108,12 @@ class PlainPath:
         return self.model.letter_probs(h.index_select(0, slots), nopts)  # [S, n_letters]
 
     def _capture(self, T: int, S: int) -> _Graph | None:
-        t0 = time.perf_counter()
-        g = _Graph(inp=torch.zeros(T + 2 * S, dtype=torch.long, device=self.model.device), out=None, graph=None)
-        g.inp[T + S :] = 2
-        try:
-            g.graph, g.out = capture(lambda: self._run(g.inp, T, S), self.pool)
-        except Exception as e:  # noqa: BLE001 - this shape runs packed (eager) from now on
-            torch.cuda.synchronize()
-            log.warning("plain graph (%d tokens, %d slots) failed to capture: %s: %s", T, S, type(e).__name__, str(e)[:200])
-            self.stats["capture_failed"] += 1
-            g = None
-        self.stats["captures"] += 1
-        self.stats["capture_s"] += time.perf_counter() - t0
+        """The shape's graph; None when it fails to capture (rows of this shape then run packed)."""
+        g = _Graph(inp=pack_inputs(T, S).to(self.model.device), out=None, graph=None)
+        got = try_capture(lambda: self._run(g.inp, T, S), self.pool, self.stats, self.failures, f"plain ({T}, {S})")
+        if got is None:
+            return None
+        g.graph, g.out = got
         return g
 
     def _single(self, ids, slots, nopts) -> list[list[float]] | None:
@@ -129,11 +121,7 @@ class PlainPath:
         if key is None:
             return None
         T, S = key
-        inp = torch.zeros(T + 2 * S, dtype=torch.long)
-        inp[: len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        inp[T : T + len(slots)] = torch.as_tensor(slots, dtype=torch.long)
-        inp[T + S :] = 2
-        inp[T + S : T + S + len(nopts)] = torch.as_tensor(nopts, dtype=torch.long)
+        inp = pack_inputs(T, S, ids, slots, nopts)
         if self.use_graphs:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(T, S)

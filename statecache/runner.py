@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .graphs import capture
+from .graphs import new_stats, pack_inputs, try_capture
 from .mixers import ChunkMixer, ChunkState
 
 CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # chunk lengths a graph is captured for (tokens)
@@ -57,7 +57,7 @@ class ChunkRunner:
         self.st = ChunkState.allocate(model.cfg, self.max_pos, self.device, model.dtype)
         self.graphs: dict[tuple[int, int], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None  # shared with the plain path
-        self.stats = {"captures": 0, "capture_s": 0.0, "capture_failed": 0}
+        self.stats = new_stats()
         self.failures: list[str] = []
         self.kv_owner: tuple[int, int] | None = None  # the cache's tag for the K/V the buffers hold; capture clears it
 
@@ -96,36 +96,21 @@ class ChunkRunner:
         return self.model.letter_probs(h.index_select(0, slots), nopts)  # [max_slots, n_letters]
 
     def _buffers(self, L: int) -> _Graph:
-        inp = self._host_inputs(L, [], 0, None, None).to(self.device)
+        inp = pack_inputs(L, self.max_slots).to(self.device)
         ids, slots, nopts = torch.split(inp, [L, self.max_slots, self.max_slots])
         return _Graph(inp=inp, ids=ids, slots=slots, nopts=nopts, out=None, graph=None)
 
-    def _host_inputs(self, L: int, ids, s: int, slots, nopts) -> torch.Tensor:
-        """ids (zero-padded to L) | slots relative to s | nopts (2 past the real slots), as one host tensor."""
-        m = self.max_slots
-        inp = torch.zeros(L + 2 * m, dtype=torch.long)
-        inp[: len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        inp[L + m :] = 2
-        if slots:
-            inp[L : L + len(slots)] = torch.as_tensor([x - s for x in slots])
-            inp[L + m : L + m + len(nopts)] = torch.as_tensor(nopts)
-        return inp
-
     def _capture(self, L: int, span: int) -> _Graph | None:
-        t0 = time.perf_counter()
+        """The shape's graph; None when it fails to capture (rows needing it take the plain path)."""
         self.kv_owner = None  # the warm-up runs overwrite the state buffers
         g = self._buffers(L)
         self.st.start.fill_(0)
         self.st.real.fill_(L)
-        try:
-            g.graph, g.out = capture(lambda: self._forward(g.ids, g.slots, g.nopts, L, span), self.pool)
-        except Exception as e:  # noqa: BLE001 - the shape stays uncaptured; rows needing it take the plain path
-            torch.cuda.synchronize()
-            self.failures.append(f"({L}, {span}): {type(e).__name__}: {str(e)[:200]}")
-            self.stats["capture_failed"] += 1
-            g = None
-        self.stats["captures"] += 1
-        self.stats["capture_s"] += time.perf_counter() - t0
+        got = try_capture(lambda: self._forward(g.ids, g.slots, g.nopts, L, span), self.pool, self.stats,
+                          self.failures, f"chunk ({L}, {span})")
+        if got is None:
+            return None
+        g.graph, g.out = got
         return g
 
     def ensure(self, chunks: list[tuple[int, int]]) -> bool:
@@ -163,7 +148,7 @@ class ChunkRunner:
         if key is None:
             raise NotCaptured(f"chunk [{s}, {e}) has no shape")
         L, span = key
-        inp = self._host_inputs(L, ids[s:e], s, slots, nopts)
+        inp = pack_inputs(L, self.max_slots, ids[s:e], [x - s for x in slots or ()], nopts or ())
         self.st.start.fill_(s)
         self.st.real.fill_(e - s)
         if not self.use_graphs:

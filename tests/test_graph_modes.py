@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import statecache.plain as plain_mod
-import statecache.runner as runner_mod
+import statecache.graphs as graphs_mod
 from statecache.cache import CacheSettings, StateCache
 from statecache.kernels import TorchKernels
 from statecache.plain import PlainPath
@@ -43,8 +42,7 @@ def fake_graphs(monkeypatch):
         out = fn()
         return ReplayGraph(fn, out), out
 
-    monkeypatch.setattr(runner_mod, "capture", capture)
-    monkeypatch.setattr(plain_mod, "capture", capture)
+    monkeypatch.setattr(graphs_mod, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     with one_thread():
