@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from statecache.cache import CacheSettings, StateCache  # noqa: E402
 from statecache.config import parse_config  # noqa: E402
-from statecache.fuse import Fused  # noqa: E402
-from statecache.kernels import FlaKernels, TorchKernels, span_softmax  # noqa: E402
+from statecache.kernels import FlaKernels, TorchKernels  # noqa: E402
 from statecache.loader import weights_from_state_dict  # noqa: E402
 from statecache.model import Qwen35  # noqa: E402
 from statecache.plain import PlainPath  # noqa: E402
@@ -97,6 +96,8 @@ def micro(cfg, res):
     """Kernel variants at this shape, each timed as a graph replay: span attention (FlashAttention with native GQA,
     with repeated heads, batched matmuls with eager / compiled softmax) and the delta rule (chunked vs fused
     recurrent) for short chunks; agreement of each with the first."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
+
     from statecache.fuse import Fused
     from statecache.kernels import attend_grouped, span_softmax
 
@@ -147,13 +148,13 @@ def micro(cfg, res):
         beta = torch.rand(1, T, Hv, device=dev, dtype=bf)
         o1, s1 = fk._gdr(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
         try:
-            o2, s2 = fk._gdr_rec(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            o2, s2 = recurrent(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
             agree = [float((o1.float() - o2.float()).abs().max()), float((s1 - s2).abs().max())]
         except Exception as e:  # noqa: BLE001
             agree = f"{type(e).__name__}: {str(e)[:150]}"
         out[f"delta_T{T}"] = {
             "chunk": gtime(lambda: fk._gdr(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)),
-            "recurrent": gtime(lambda: fk._gdr_rec(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)),
+            "recurrent": gtime(lambda: recurrent(qd, kd, vd, g=g, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)),
             "recurrent_vs_chunk": agree}
     res["micro"] = out
     log("micro", json.dumps(out))
@@ -276,8 +277,7 @@ def bench_shape(name, args):
     w16 = weights_from_state_dict(cfg, sd, letters, "cuda", torch.bfloat16)
     m16 = Qwen35(w16)
     fk = FlaKernels()
-    res["kernels"] = {"flash_gqa": fk.flash_gqa, "bmm_f32": fk.bmm_f32, "grouped_max_q": fk.grouped_max_q,
-                      "recurrent_max": fk.recurrent_max}
+    res["kernels"] = {"flash_gqa": fk.flash_gqa, "bmm_f32": fk.bmm_f32, "grouped_max_q": fk.grouped_max_q}
     plain16 = PlainPath(m16, fk, graphs=False, pad=False)  # packed and eager: the path a backed-up queue takes
     g = torch.Generator().manual_seed(1)
     V = cfg.vocab_size
@@ -333,8 +333,7 @@ def bench_shape(name, args):
     if args.compile:  # the elementwise pieces fused by torch.compile (the product's default on CUDA)
         t = time.perf_counter()
         m16.compile_elementwise()
-        fk.grouped_max_q = 128  # measured: compiled grouped attention beats FlashAttention up to 128 queries
-        fk.span_softmax = Fused(span_softmax)
+        fk.compile_elementwise()
         pc = plain16.forward([row])[0]
         res["compiled_first_call_s"] = round(time.perf_counter() - t, 1)
         res["compiled_plain_vs_eager"] = maxdiff(pc, p16)
@@ -468,14 +467,8 @@ def main():
     ap.add_argument("--profile", default="9B,0.8B", help="shapes whose plain forward is profiled")
     ap.add_argument("--micro", default="", help="shapes whose kernel variants are timed")
     ap.add_argument("--hf-f32", action="store_true", help="also run transformers in float32 (bf16's own drift)")
-    ap.add_argument("--recurrent-max", type=int, default=None, help="FlaKernels.recurrent_max for this run")
-    ap.add_argument("--grouped-max-q", type=int, default=None, help="FlaKernels.grouped_max_q for this run")
     args = ap.parse_args()
     OUT = Path(args.out)
-    if args.recurrent_max is not None:
-        FlaKernels.recurrent_max = args.recurrent_max
-    if args.grouped_max_q is not None:
-        FlaKernels.grouped_max_q = args.grouped_max_q
     OUT.mkdir(parents=True, exist_ok=True)
     for step in [env] + ([] if args.skip_checks else [kernel_checks]):
         try:

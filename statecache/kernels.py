@@ -145,24 +145,20 @@ def attend_grouped(q, k, v, start, scale: float, softmax=span_softmax, f32_score
 class FlaKernels(TorchKernels):
     """CUDA: fla's Triton kernels for the GDN layers, FlashAttention (native GQA where it checks out) for attention.
 
-    Tunables (bench/gpu_bench.py --micro times them): `grouped_max_q` - a span chunk of at most this many queries
-    attends by batched matmuls (each cached key read once, no head repeat). Measured on an H200 at the 9B shape,
-    5120-key span: 0.058 ms at 64 queries (compiled softmax) against FlashAttention's 0.134 (native GQA) and 0.226
-    (repeated heads); even at 128 (0.091 vs 0.138); not at 256. Eager softmax: only up to 64. None: that default.
-    `recurrent_max` - a single-sequence delta rule of at most this many tokens uses fla's fused recurrent kernel
-    instead of the chunked one; 0 (never) because it only won at 16 tokens (0.024 vs 0.030 ms) and lost at 64."""
+    `grouped_max_q`: a span chunk of at most this many queries attends by batched matmuls (each cached key read
+    once, no head repeat). Measured on an H200 at the 9B shape, 5120-key span (bench/gpu_bench.py --micro): 0.058 ms
+    at 64 queries with the compiled softmax, against FlashAttention's 0.134 (native GQA) and 0.226 (repeated heads);
+    still ahead at 128 (0.091 vs 0.138), not at 256; with the eager softmax only up to 64. fla's fused recurrent
+    delta rule is not used: it beat the chunked one only at 16 tokens (0.026 vs 0.033 ms) and lost at 64."""
 
     name = "fla"
-    grouped_max_q: int | None = None
-    recurrent_max = 0
 
     def __init__(self, compile: bool = False):
         from fla.modules.convolution import causal_conv1d
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         self._conv = causal_conv1d
         self._gdr = chunk_gated_delta_rule
-        self._gdr_rec = fused_recurrent_gated_delta_rule
         try:
             from torch.nn.attention.varlen import varlen_attn
         except ImportError:  # older torch: SDPA paths of TorchKernels
@@ -170,15 +166,17 @@ class FlaKernels(TorchKernels):
         self._varlen = varlen_attn
         params = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
         self.varlen_gqa = "enable_gqa" in params  # torch 2.13 has it; 2.11 refuses it
-        self.span_softmax = span_softmax
-        if self.grouped_max_q is None:
-            self.grouped_max_q = 128 if compile else 64
+        self.span_softmax, self.grouped_max_q = span_softmax, 64
         if compile:
-            from .fuse import Fused
-
-            self.span_softmax = Fused(span_softmax)
+            self.compile_elementwise()
         self.flash_gqa = self._check_flash_gqa()
         self.bmm_f32 = self._check_bmm_f32()
+
+    def compile_elementwise(self) -> None:
+        """The span softmax torch.compile'd, which makes grouped attention pay up to 128 queries."""
+        from .fuse import Fused
+
+        self.span_softmax, self.grouped_max_q = Fused(span_softmax), 128
 
     def _flash_op(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float):
         """The FlashAttention op under varlen attention, called with Hkv < Hq heads (FA2 groups them natively),
@@ -215,9 +213,6 @@ class FlaKernels(TorchKernels):
         return y[0] if isinstance(y, tuple) else y
 
     def delta(self, q, k, v, g, beta, init=None, cu=None):
-        if cu is None and q.shape[1] <= self.recurrent_max:
-            return self._gdr_rec(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True)
         o, S = self._gdr(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True,
                          use_qk_l2norm_in_kernel=True, cu_seqlens=None if cu is None else cu.long())
         return o, S
