@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from statecache.cache import CacheSettings, StateCache  # noqa: E402
 from statecache.config import parse_config  # noqa: E402
+from statecache.graphs import capture  # noqa: E402
 from statecache.kernels import FlaKernels, TorchKernels  # noqa: E402
 from statecache.loader import weights_from_state_dict  # noqa: E402
 from statecache.model import Qwen35  # noqa: E402
@@ -66,30 +67,27 @@ def timed(fn, reps=5, warm=2):
     return round(statistics.median(ts), 2)
 
 
-def gtime(fn, reps=20):
-    """GPU milliseconds of fn as a CUDA graph replay (no launch overhead), median of reps; None if it cannot be
-    captured."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {str(e)[:120]}"
+def replay_median_ms(graph, reps=20) -> float:
+    """GPU milliseconds of one replay of a captured CUDA graph, median of reps (CUDA events)."""
     ts = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        graph.replay()
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b))
-    return round(statistics.median(ts), 4)
+    return statistics.median(ts)
+
+
+def gtime(fn, reps=20):
+    """GPU milliseconds of fn as a CUDA graph replay (no launch overhead), median of reps; the error as a string if
+    it cannot be captured."""
+    try:
+        graph, _ = capture(fn, None)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    return round(replay_median_ms(graph, reps), 4)
 
 
 def micro(cfg, res):
@@ -430,17 +428,7 @@ def bench_shape(name, args):
 def replay_ms(runner, key=(64, 5120), reps=20):
     """GPU milliseconds of one replay of the hit's chunk graph (the state buffers as the last row left them)."""
     g = runner.graphs.get(key)
-    if g is None:
-        return None
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return round(statistics.median(ts), 3)
+    return None if g is None else round(replay_median_ms(g.graph, reps), 3)
 
 
 def profile(tag, fn):
