@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
-from .index import Checkpoint, CheckpointIndex, plan_chunks
+from .index import Checkpoint, CheckpointIndex, as_ids, plan_chunks
 from .runner import ChunkRunner
 
 
@@ -73,11 +72,12 @@ class StateCache:
     # ---- a row ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def row(self, ids: list[int], state_len: int, slots: list[int], nopts: list[int], plant_anyway: bool = False) -> Answer | None:
-        """One eligible row -> its Answer, or None for the plain path. plant_anyway: skip `cold_ok` (other waiting
+    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], plant_anyway: bool = False) -> Answer | None:
+        """One eligible row (ids: a list of ints or an int64 array) -> its Answer, or None for the plain path. plant_anyway: skip `cold_ok` (other waiting
         rows share this state, so planting it pays)."""
         if not self.eligible(ids, state_len, slots):
             return None
+        ids = as_ids(ids)  # once: the lookup, the chunks' inputs and the planted group all read this array
         n, p = len(ids), self._down(state_len)
         best = self.index.lookup(ids, limit=p)
         c0 = best.pos if best is not None else 0
@@ -140,7 +140,7 @@ class StateCache:
         K, V = st.K[:, :p].clone(), st.V[:, :p].clone()
         self._serial += 1
         self.runner.kv_owner = (self._serial, p)
-        group = self.index.add_group(np.asarray(ids[:p], dtype=np.int64), (K, V, self._serial), _nbytes(K, V))
+        group = self.index.add_group(ids[:p], (K, V, self._serial), _nbytes(K, V))
         for pos, conv, S in snaps:
             self.index.add_checkpoint(group, pos, (conv, S), _nbytes(conv, S))
             self.stats["ckpts_made"] += 1

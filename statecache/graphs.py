@@ -52,11 +52,13 @@ def try_capture(fn, pool, stats: dict, failures: list[str], what: str):
         stats["capture_s"] += time.perf_counter() - t0
 
 
-def pack_inputs(L: int, S: int, ids=(), slots=(), nopts=()) -> torch.Tensor:
-    """One host tensor [L + 2 * S] (long): ids zero-padded to L | slots | option counts (2 past the real slots)."""
-    inp = torch.zeros(L + 2 * S, dtype=torch.long)
+def pack_inputs(L: int, S: int, ids=(), slots=(), nopts=(), scalars=()) -> torch.Tensor:
+    """One host tensor [L + 2 * S + len(scalars)] (long): ids zero-padded to L | slots | option counts (2 past the
+    real slots) | scalars (the chunk runner's start and real length). ids may be a list or an int64 numpy array."""
+    inp = torch.zeros(L + 2 * S + len(scalars), dtype=torch.long)
     inp[: len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-    inp[L + S :] = 2
+    inp[L + S : L + 2 * S] = 2
     inp[L : L + len(slots)] = torch.as_tensor(slots, dtype=torch.long)
     inp[L + S : L + S + len(nopts)] = torch.as_tensor(nopts, dtype=torch.long)
+    inp[L + 2 * S :] = torch.as_tensor(scalars, dtype=torch.long)
     return inp

@@ -5,8 +5,8 @@
 - `ChunkMixer`: one chunk of one sequence continuing from the saved state in a `ChunkState` (static buffers):
   the conv runs over [saved inputs | chunk]; the delta rule starts from the saved S (the model gives padding
   g = 0 and beta = 0 through `live`, so S stops at the real end); attention writes the chunk's K/V at [start, start + L) and reads
-  [cached K/V | causal chunk]. Chunk start and real length are device tensors, so a CUDA graph captured once
-  serves every position.
+  [cached K/V | causal chunk]. Chunk start and real length are device tensors the caller hands in (views of its
+  graph's input buffer), so a CUDA graph captured once serves every position.
 Neither knows weights or layers beyond the slot index `j` (GDN) / `a` (attention) it is handed.
 """
 
@@ -42,8 +42,6 @@ class ChunkState:
     S: torch.Tensor  # [G, Hv, Dk, Dv] float32: each GDN layer's recurrent state
     K: torch.Tensor  # [A, P_max, Hkv, D]: each attention layer's keys of [0, P_max)
     V: torch.Tensor  # [A, P_max, Hkv, D]
-    start: torch.Tensor  # long scalar: the chunk's first position
-    real: torch.Tensor  # long scalar: the chunk's real (unpadded) length
 
     @classmethod
     def allocate(cls, cfg, max_pos: int, device, dtype) -> "ChunkState":
@@ -55,8 +53,6 @@ class ChunkState:
             S=z(G, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, dt=torch.float32),
             K=z(A, max_pos, cfg.num_key_value_heads, cfg.head_dim),
             V=z(A, max_pos, cfg.num_key_value_heads, cfg.head_dim),
-            start=torch.zeros((), dtype=torch.long, device=device),
-            real=torch.zeros((), dtype=torch.long, device=device),
         )
 
     def reset(self) -> None:
@@ -65,16 +61,17 @@ class ChunkState:
 
 
 class ChunkMixer:
-    """One chunk of L (bucketed) tokens continuing from `st`; keys span [0, span)."""
+    """One chunk of L (bucketed) tokens continuing from `st`; keys span [0, span). start, real: long scalar device
+    tensors, the chunk's first position and its real (unpadded) length."""
 
-    def __init__(self, kernels, st: ChunkState, L: int, span: int):
-        self.k, self.st, self.L, self.span = kernels, st, L, span
+    def __init__(self, kernels, st: ChunkState, L: int, span: int, start: torch.Tensor, real: torch.Tensor):
+        self.k, self.st, self.L, self.span, self.start = kernels, st, L, span, start
         dev = st.S.device
         ar = torch.arange(L, device=dev)
-        self.pos = st.start + ar  # [L] absolute positions
-        self.live = ar < st.real  # [L] real tokens (the model zeroes padding's gates with it)
+        self.pos = start + ar  # [L] absolute positions
+        self.live = ar < real  # [L] real tokens (the model zeroes padding's gates with it)
         W1 = st.conv.shape[1]
-        self.tail_idx = st.real + torch.arange(W1, device=dev)  # in [saved | chunk]: the last W - 1 real inputs
+        self.tail_idx = real + torch.arange(W1, device=dev)  # in [saved | chunk]: the last W - 1 real inputs
 
     def conv(self, j: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         W1 = self.st.conv.shape[1]
@@ -91,4 +88,4 @@ class ChunkMixer:
     def attend(self, a, q, k, v, scale):
         self.st.K[a].index_copy_(0, self.pos, k)
         self.st.V[a].index_copy_(0, self.pos, v)
-        return self.k.attend_span(q, self.st.K[a, : self.span], self.st.V[a, : self.span], self.st.start, scale)
+        return self.k.attend_span(q, self.st.K[a, : self.span], self.st.V[a, : self.span], self.start, scale)

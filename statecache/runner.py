@@ -31,10 +31,12 @@ def bucket(n: int, sizes) -> int | None:
 
 @dataclass
 class _Graph:
-    inp: torch.Tensor  # [L + 2 * max_slots] long: ids | slots | nopts, filled by one copy per run
+    inp: torch.Tensor  # [L + 2 * max_slots + 2] long: ids | slots | nopts | start | real, one copy per run
     ids: torch.Tensor  # [L] long
     slots: torch.Tensor  # [max_slots] long, relative to the chunk start
     nopts: torch.Tensor  # [max_slots] long
+    start: torch.Tensor  # long scalar: the chunk's first position
+    real: torch.Tensor  # long scalar: its real (unpadded) length
     out: torch.Tensor  # [max_slots, n_letters] float32 probabilities
     graph: "torch.cuda.CUDAGraph | None"
 
@@ -90,24 +92,22 @@ class ChunkRunner:
 
     # ---- the chunk forward ----------------------------------------------------------------------------------------
 
-    def _forward(self, ids, slots, nopts, L: int, span: int) -> torch.Tensor:
-        mix = ChunkMixer(self.kernels, self.st, L, span)
-        h = self.model.body(ids, mix.pos, mix)  # [L, H]
-        return self.model.letter_probs(h.index_select(0, slots), nopts)  # [max_slots, n_letters]
+    def _forward(self, g: _Graph, L: int, span: int) -> torch.Tensor:
+        mix = ChunkMixer(self.kernels, self.st, L, span, g.start, g.real)
+        h = self.model.body(g.ids, mix.pos, mix)  # [L, H]
+        return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [max_slots, n_letters]
 
-    def _buffers(self, L: int) -> _Graph:
-        inp = pack_inputs(L, self.max_slots).to(self.device)
-        ids, slots, nopts = torch.split(inp, [L, self.max_slots, self.max_slots])
-        return _Graph(inp=inp, ids=ids, slots=slots, nopts=nopts, out=None, graph=None)
+    def _buffers(self, inp: torch.Tensor, L: int) -> _Graph:
+        """The graph's views of its input buffer inp (see pack_inputs; on the device)."""
+        S = self.max_slots
+        ids, slots, nopts, scalars = torch.split(inp, [L, S, S, 2])
+        return _Graph(inp=inp, ids=ids, slots=slots, nopts=nopts, start=scalars[0], real=scalars[1], out=None, graph=None)
 
     def _capture(self, L: int, span: int) -> _Graph | None:
         """The shape's graph; None when it fails to capture (rows needing it take the plain path)."""
         self.kv_owner = None  # the warm-up runs overwrite the state buffers
-        g = self._buffers(L)
-        self.st.start.fill_(0)
-        self.st.real.fill_(L)
-        got = try_capture(lambda: self._forward(g.ids, g.slots, g.nopts, L, span), self.pool, self.stats,
-                          self.failures, f"chunk ({L}, {span})")
+        g = self._buffers(pack_inputs(L, self.max_slots, scalars=(0, L)).to(self.device), L)
+        got = try_capture(lambda: self._forward(g, L, span), self.pool, self.stats, self.failures, f"chunk ({L}, {span})")
         if got is None:
             return None
         g.graph, g.out = got
@@ -142,19 +142,16 @@ class ChunkRunner:
                 "failed": self.failures[:3]}
 
     def run(self, ids, s: int, e: int, slots=None, nopts=None) -> torch.Tensor:
-        """Chunk [s, e) of ids (a sequence of ints) from the current state -> probabilities [max_slots, n_letters]
+        """Chunk [s, e) of ids (an int64 numpy array or a list of ints) from the current state -> probabilities [max_slots, n_letters]
         at `slots` (absolute positions in [s, e)); rows past len(slots) are padding."""
         key = self.shape(s, e)
         if key is None:
             raise NotCaptured(f"chunk [{s}, {e}) has no shape")
         L, span = key
-        inp = pack_inputs(L, self.max_slots, ids[s:e], [x - s for x in slots or ()], nopts or ())
-        self.st.start.fill_(s)
-        self.st.real.fill_(e - s)
+        inp = pack_inputs(L, self.max_slots, ids[s:e], [x - s for x in slots or ()], nopts or (), (s, e - s))
         if not self.use_graphs:
-            ids_d, sl, no = torch.split(inp.to(self.device), [L, self.max_slots, self.max_slots])
             with torch.no_grad():
-                return self._forward(ids_d, sl, no, L, span)
+                return self._forward(self._buffers(inp.to(self.device), L), L, span)
         g = self.graphs.get(key)
         if g is None:
             raise NotCaptured(f"no graph for {key}")
