@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from statecache.cache import CacheSettings, StateCache  # noqa: E402
 from statecache.config import parse_config  # noqa: E402
 from statecache.graphs import capture  # noqa: E402
+from statecache.index import as_ids  # noqa: E402
 from statecache.kernels import FlaKernels, TorchKernels  # noqa: E402
 from statecache.loader import weights_from_state_dict  # noqa: E402
 from statecache.model import Qwen35  # noqa: E402
@@ -65,6 +66,41 @@ def timed(fn, reps=5, warm=2):
         torch.cuda.synchronize()
         ts.append(1000 * (time.perf_counter() - t))
     return round(statistics.median(ts), 2)
+
+
+def host_ms(fn, reps=50):
+    """Median wall milliseconds of fn (host work only: no synchronisation)."""
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(1000 * (time.perf_counter() - t))
+    return round(statistics.median(ts), 4)
+
+
+def hit_breakdown(cache, runner, ids, p: int, reps=10) -> dict:
+    """Where a hit's wall time goes: token conversion and lookup (host), the restore, the chunk's launch (host
+    time until runner.run returns), the GPU until done, and the read-back; medians over reps."""
+    arr = as_ids(ids)
+    out = {"as_ids": host_ms(lambda: as_ids(ids)), "lookup": host_ms(lambda: cache.index.lookup(arr, p))}
+    best = cache.index.lookup(arr, p)
+    parts: dict[str, list] = {"restore": [], "launch": [], "gpu_after_launch": [], "read_back": []}
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cache._restore(best)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        o = runner.run(arr, p, len(arr), [len(arr) - 1], [4])
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        o[:1].float().cpu()
+        t4 = time.perf_counter()
+        for k, a, b in (("restore", t0, t1), ("launch", t1, t2), ("gpu_after_launch", t2, t3), ("read_back", t3, t4)):
+            parts[k].append(1000 * (b - a))
+    out.update({k: round(statistics.median(v), 4) for k, v in parts.items()})
+    return out
 
 
 def replay_median_ms(graph, reps=20) -> float:
@@ -365,9 +401,25 @@ def bench_shape(name, args):
         return cache.row(ids, 4096, slots, nopts)
     res[mode + "cold_ms"] = timed(cold, reps=3, warm=1)
     log(name, "cold cached", res[mode + "cold_ms"], "ms", runner.stats)
+    hits = [state + q(i) for i in range(1, 12)]
+    if fk.short_kernels:  # the same hit on session 2's kernels (fla's delta-rule chain, batched-matmul attention,
+        fk.short_kernels = False  # torch.compile'd norm and activation), for comparison
+        if args.compile:
+            m16.use_triton_pieces(False)
+        runner.reset_graphs()
+        cache.clear()
+        cache.row(ids, 4096, slots, nopts)
+        res[mode + "hit_ms_fla_kernels"] = timed(lambda: cache.row(hits[1], 4096, [4159], [4]), reps=20, warm=3)
+        res[mode + "hit_graph_ms_fla_kernels"] = replay_ms(runner)
+        res["hit_vs_plain_bf16_fla_kernels"] = maxdiff(cache.row(ids, 4096, slots, nopts).probs, p16)
+        log(name, "hit on fla's kernels", res[mode + "hit_ms_fla_kernels"], "ms; graph alone",
+            res[mode + "hit_graph_ms_fla_kernels"], "agree", res["hit_vs_plain_bf16_fla_kernels"])
+        fk.short_kernels = True
+        if args.compile:
+            m16.use_triton_pieces(True)
+        runner.reset_graphs()
     cache.clear()
     cache.row(ids, 4096, slots, nopts)
-    hits = [state + q(i) for i in range(1, 12)]
     hp_ = {}
     k = iter(range(1000))
 
@@ -378,6 +430,8 @@ def bench_shape(name, args):
         return a
     res[mode + "hit_ms"] = timed(hit, reps=20, warm=3)
     res[mode + "hit_graph_ms"] = replay_ms(runner)
+    res[mode + "hit_breakdown_ms"] = hit_breakdown(cache, runner, hits[0], 4096)
+    log(name, "hit breakdown (ms)", res[mode + "hit_breakdown_ms"])
     res["hit_path"] = hp_["path"]
     if prof_here:
         profile(f"{mode}hit_{name}", hit)

@@ -5,7 +5,11 @@ Two implementations of one small interface, chosen once per device:
   rule (64-token chunks, float32), tested against transformers' own torch implementation.
 - `FlaKernels` (CUDA): fla's chunked gated delta rule and causal conv1d; FlashAttention with native grouped
   heads (the aten op varlen attention wraps; self-checked at start-up, else varlen attention with repeated K/V
-  heads, else SDPA); for short chunks over cached keys, attention as two batched matmuls per KV head group.
+  heads, else SDPA). Short chunks continuing from saved state take our own Triton kernels: the whole delta rule
+  of one chunk of <= 64 tokens in one kernel (statecache.gdn_triton), the conv with its saved inputs
+  (statecache.conv_triton), and attention over the cached keys split
+  over the keys (statecache.span_triton); `short_kernels=False` falls back to fla's chain and to two batched
+  matmuls per KV head group.
 
 Shapes (T = packed tokens, B = sequences, cu = int32 cumulative lengths [B+1]):
 - conv(x [1, T, C], w [C, W], cu) -> silu(causal depthwise conv) [1, T, C]; every sequence starts from zeros
@@ -13,6 +17,10 @@ Shapes (T = packed tokens, B = sequences, cu = int32 cumulative lengths [B+1]):
 - delta(q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g, beta [1, T, Hv], init [B, Hv, Dk, Dv] f32 | None, cu)
   -> (o [1, T, Hv, Dv], final [B, Hv, Dk, Dv] f32); q and k are L2-normalised inside; GVA when Hv > Hk.
 - attend_packed(q [T, Hq, D], k, v [T, Hkv, D], cu, max_len, scale) -> [T, Hq, D], causal within each sequence.
+- conv_into(x [L, C], w, tail [W - 1, C], real (long scalar tensor)) -> [L, C]: one chunk of one sequence
+  continuing from its saved inputs `tail`, which become the last W - 1 real inputs (in place).
+- delta_into(q, k [L, Hk, Dk], v [L, Hv, Dv], g, beta [L, Hv], S [Hv, Dk, Dv] f32) -> o [L, Hv, Dv]: one chunk of
+  one sequence continuing from S, which it updates in place.
 - attend_span(q [L, Hq, D], k, v [P, Hkv, D], start (long scalar tensor), scale) -> [L, Hq, D]: query i sits at
   position start + i and sees keys [0, start + i]. `start` stays on the device (graph-safe).
 This module knows nothing of checkpoints, layers or weights.
@@ -91,6 +99,22 @@ class TorchKernels:
             finals.append(S)
         return torch.cat(outs, 0)[None].to(v.dtype), torch.stack(finals)
 
+    def conv_into(self, x, w, tail, real):
+        """One sequence's chunk x [L, C] continuing from tail [W - 1, C] (its saved inputs) -> silu(conv) [L, C];
+        tail becomes the last W - 1 real inputs of [tail | x[:real]] (real: a long scalar device tensor)."""
+        W1 = tail.shape[0]
+        xin = torch.cat([tail, x], 0)  # [W - 1 + L, C]
+        y = self.conv(xin[None], w)[0, W1:]  # [L, C]
+        torch.index_select(xin, 0, real + torch.arange(W1, device=x.device), out=tail)
+        return y
+
+    def delta_into(self, q, k, v, g, beta, S):
+        """One sequence's chunk from state S [Hv, Dk, Dv] (float32, updated in place): q, k [L, Hk, Dk], v [L, Hv, Dv],
+        g, beta [L, Hv] -> o [L, Hv, Dv]."""
+        o, S1 = self.delta(q[None], k[None], v[None], g[None], beta[None], S[None], None)
+        S.copy_(S1[0])
+        return o[0]
+
     def attend_packed(self, q, k, v, cu, max_len: int, scale: float):
         bounds = cu.tolist()
         outs = []
@@ -142,6 +166,10 @@ def attend_grouped(q, k, v, start, scale: float, softmax=span_softmax, f32_score
     return o.view(Hkv, R, L, D).permute(2, 0, 1, 3).reshape(L, Hq, D)
 
 
+DELTA_CHUNK_MAX = 64  # statecache.gdn_triton's one-chunk kernel: at most this many tokens
+SPAN_SPLIT_MAX_Q = 128  # statecache.span_triton for chunks of at most this many queries
+
+
 class FlaKernels(TorchKernels):
     """CUDA: fla's Triton kernels for the GDN layers, FlashAttention (native GQA where it checks out) for attention.
 
@@ -153,7 +181,7 @@ class FlaKernels(TorchKernels):
 
     name = "fla"
 
-    def __init__(self, compile: bool = False):
+    def __init__(self, compile: bool = False, short_kernels: bool = True):
         from fla.modules.convolution import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -171,6 +199,11 @@ class FlaKernels(TorchKernels):
             self.compile_elementwise()
         self.flash_gqa = self._check_flash_gqa()
         self.bmm_f32 = self._check_bmm_f32()
+        self.short_kernels = short_kernels  # our Triton kernels for short chunks (see the module docstring)
+        from . import conv_triton, gdn_triton, span_triton
+
+        self._delta_chunk, self._span = gdn_triton.delta_chunk, span_triton.attend_span
+        self._conv_chunk, self._conv_chunk_max = conv_triton.conv_chunk, conv_triton.MAX_ROWS
 
     def compile_elementwise(self) -> None:
         """The span softmax torch.compile'd, which makes grouped attention pay up to 128 queries."""
@@ -217,6 +250,16 @@ class FlaKernels(TorchKernels):
                          use_qk_l2norm_in_kernel=True, cu_seqlens=None if cu is None else cu.long())
         return o, S
 
+    def conv_into(self, x, w, tail, real):
+        if self.short_kernels and x.shape[0] <= self._conv_chunk_max and x.stride(1) == 1:
+            return self._conv_chunk(x, w, tail, real)
+        return super().conv_into(x, w, tail, real)
+
+    def delta_into(self, q, k, v, g, beta, S):
+        if self.short_kernels and q.shape[0] <= DELTA_CHUNK_MAX:
+            return self._delta_chunk(q, k, v, g, beta, S)
+        return super().delta_into(q, k, v, g, beta, S)
+
     def _heads(self, q, k, v):
         rep = q.shape[1] // k.shape[1]
         if rep > 1 and not self.varlen_gqa:
@@ -242,6 +285,8 @@ class FlaKernels(TorchKernels):
         if not self._flash(q):
             return super().attend_span(q, k, v, start, scale)
         L, P = q.shape[0], k.shape[0]
+        if self.short_kernels and L <= SPAN_SPLIT_MAX_Q:
+            return self._span(q, k, v, start, scale)
         if L <= self.grouped_max_q:
             return attend_grouped(q, k, v, start, scale, self.span_softmax, self.bmm_f32)
         zero = torch.zeros(1, dtype=torch.int32, device=q.device)

@@ -69,21 +69,13 @@ class ChunkMixer:
         dev = st.S.device
         ar = torch.arange(L, device=dev)
         self.pos = start + ar  # [L] absolute positions
-        self.live = ar < real  # [L] real tokens (the model zeroes padding's gates with it)
-        W1 = st.conv.shape[1]
-        self.tail_idx = real + torch.arange(W1, device=dev)  # in [saved | chunk]: the last W - 1 real inputs
+        self.live, self.real = ar < real, real  # live [L]: real tokens (the model zeroes padding's gates with it)
 
     def conv(self, j: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        W1 = self.st.conv.shape[1]
-        xin = torch.cat([self.st.conv[j], x], 0)  # [W - 1 + L, C]
-        y = self.k.conv(xin[None], w)[0, W1:]  # [L, C]
-        torch.index_select(xin, 0, self.tail_idx, out=self.st.conv[j])
-        return y
+        return self.k.conv_into(x, w, self.st.conv[j], self.real)
 
     def delta(self, j, q, k, v, g, beta):
-        o, S = self.k.delta(q[None], k[None], v[None], g[None], beta[None], self.st.S[j : j + 1], None)
-        self.st.S[j].copy_(S[0])
-        return o[0]
+        return self.k.delta_into(q, k, v, g, beta, self.st.S[j])
 
     def attend(self, a, q, k, v, scale):
         self.st.K[a].index_copy_(0, self.pos, k)

@@ -94,11 +94,24 @@ class Qwen35:
         # the elementwise pieces; `compile_elementwise` swaps in fused (torch.compile) versions on the GPU
         self.norm, self.add_norm, self.gnorm, self.qk_prep, self.act, self.gates, self.gate_out = PIECES
 
-    def compile_elementwise(self) -> None:
+    def compile_elementwise(self, triton_pieces: bool = True) -> None:
         """Fuse the elementwise pieces with torch.compile (Triton on CUDA): one kernel each instead of several.
-        Each falls back to its eager form, for good, if compiling it fails."""
+        Each falls back to its eager form, for good, if compiling it fails. On CUDA, triton_pieces: the residual
+        add + norm and the MLP activation take statecache.norm_triton's single-pass kernels instead."""
         (self.norm, self.add_norm, self.gnorm, self.qk_prep, self.act, self.gates,
          self.gate_out) = (Fused(f) for f in PIECES)
+        self.use_triton_pieces(triton_pieces)
+
+    def use_triton_pieces(self, on: bool) -> None:
+        """On CUDA: add_rmsnorm and silu_mul from statecache.norm_triton (on) or torch.compile (off)."""
+        if self.device.type != "cuda":
+            return
+        if on:
+            from . import norm_triton
+
+            self.add_norm, self.act = norm_triton.add_rmsnorm, norm_triton.silu_mul
+        else:
+            self.add_norm, self.act = Fused(add_rmsnorm), Fused(silu_mul)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [T] (long) -> cos, sin [T, rotary_dim] in the model dtype."""

@@ -1,0 +1,185 @@
+"""Span attention for a short chunk of queries over a long cached key span: flash decoding in Triton.
+
+`attend_span(q, k, v, start, scale)` has the semantics of `TorchKernels.attend_span`: q [L, Hq, D] (query i at
+position start + i), k, v [P, Hkv, D] (cached keys of positions [0, P), the chunk's own at [start, start + L)),
+query i sees keys [0, start + i]; Hq = R * Hkv, query head h uses KV head h // R. Returns [L, Hq, D] in q's dtype.
+
+Two kernels:
+- split: grid (row blocks, splits, Hkv). The R * L query rows of one KV head (row = query * R + head in group) are
+  the M dimension, so a key tile is read by one program per row block, not per query head. Each row block's visible
+  keys [0, start + last query of the block] are cut into `n_splits` runs of whole BLOCK_N tiles, sized at run time
+  from `start` (read on the device), so every split has work whatever the cached length; online softmax in float32
+  (exp2, log2(e) folded into the scale), probabilities cast to v's dtype for the PV dot. Writes each split's
+  normalised partial output (float32) and its log2-sum-exp (-inf for a split that saw no key; its output is then
+  not written). With one split it writes o directly and the combine is skipped.
+- combine: grid (R * L, Hkv); weights the splits by exp2(lse - max) and writes o.
+
+The grid depends on shapes only (`start` is never read on the host), so the call is CUDA-graph capturable once
+the kernels are compiled (warm up before capture). Keys past start + L (garbage in a bucketed cache) are never
+loaded. Strides are passed, so q, k, v may be views (k, v: K[a, :P] of a bigger buffer).
+
+Head dim: a power of two >= 16 (256 in the real models). A split gets at least `min_split_keys` keys, so a short
+span uses fewer splits (the others see no key and cost one lse store).
+
+It knows nothing of layers, caches or the other kernels; the block sizes, warps, stages and split rule are
+arguments so a benchmark can pick them (bench/gpu_check_span.py). Developed in Triton's interpreter (float32,
+tests/test_span_triton.py): the defaults are a guess for an H200, not measured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _span_split_kernel(
+    Q, K, V, START, O, OP, LSE,
+    stride_ql, stride_qh, stride_qd,
+    stride_kp, stride_kh, stride_kd,
+    stride_vp, stride_vh, stride_vd,
+    stride_ol, stride_oh, stride_od,
+    L, P, n_splits, min_tiles, qk_scale,
+    R: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    kvh = tl.program_id(2)
+    n_kv = tl.num_programs(2)
+    M = L * R
+    start = tl.load(START).to(tl.int32)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row = query * R + head in group
+    row_ok = rows < M
+    qi = rows // R  # [BM] query index
+    head = kvh * R + rows % R  # [BM] query head
+    dd = tl.arange(0, D)  # [D]
+    q = tl.load(Q + qi[:, None] * stride_ql + head[:, None] * stride_qh + dd[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)  # [BM, D]
+    limit = start + qi  # [BM] last key each row sees
+
+    # This block sees keys [0, end); its split owns tiles [split * tiles, (split + 1) * tiles), at least min_tiles
+    # (with a short span the last splits get nothing).
+    last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // R, L - 1)
+    end = tl.minimum(start + last_q + 1, P)
+    tiles = tl.maximum(tl.cdiv(tl.cdiv(end, BLOCK_N), n_splits), min_tiles)
+    lo = split * tiles * BLOCK_N
+    hi = tl.minimum(lo + tiles * BLOCK_N, end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # [BM] running max (log2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # [BM] running sum
+    acc = tl.zeros([BLOCK_M, D], tl.float32)  # [BM, D]
+    cn = tl.arange(0, BLOCK_N)  # [BN]
+    for n in range(lo, hi, BLOCK_N):
+        cols = n + cn  # [BN]
+        col_ok = cols < hi
+        kt = tl.load(K + cols[:, None] * stride_kp + kvh * stride_kh + dd[None, :] * stride_kd,
+                     mask=col_ok[:, None], other=0.0)  # [BN, D]
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
+        s = tl.where((cols[None, :] <= limit[:, None]) & col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BM]
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep p = 0, no NaN
+        alpha = tl.exp2(m_i - m_use)  # [BM]
+        p = tl.exp2(s - m_use[:, None])  # [BM, BN]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(V + cols[:, None] * stride_vp + kvh * stride_vh + dd[None, :] * stride_vd,
+                     mask=col_ok[:, None], other=0.0)  # [BN, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        m_i = m_new
+
+    seen = l_i > 0.0  # [BM]
+    l_use = tl.where(seen, l_i, 1.0)
+    o = acc / l_use[:, None]  # [BM, D]
+    if DIRECT:
+        tl.store(O + qi[:, None] * stride_ol + head[:, None] * stride_oh + dd[None, :] * stride_od,
+                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (split * n_kv + kvh) * M + rows  # [BM] row of the [n_splits, Hkv, M] partials
+        tl.store(LSE + part, tl.where(seen, m_i + tl.log2(l_use), float("-inf")), mask=row_ok)
+        tl.store(OP + part[:, None] * D + dd[None, :], o, mask=(row_ok & seen)[:, None])
+
+
+@triton.jit
+def _span_combine_kernel(
+    OP, LSE, O,
+    stride_ol, stride_oh, stride_od,
+    M, n_splits,
+    R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_kv = tl.num_programs(1)
+    sp = tl.arange(0, BLOCK_S)  # [BS]
+    part = (sp * n_kv + kvh) * M + row  # [BS]
+    lse = tl.load(LSE + part, mask=sp < n_splits, other=float("-inf"))  # [BS]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # [BS], 0 for a split that saw no key (its partial is not read)
+    dd = tl.arange(0, D)  # [D]
+    op = tl.load(OP + part[:, None] * D + dd[None, :], mask=(w > 0.0)[:, None], other=0.0)  # [BS, D]
+    tot = tl.sum(w, 0)
+    o = tl.sum(op * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)  # [D]
+    qi = row // R
+    head = kvh * R + row % R
+    tl.store(O + qi * stride_ol + head * stride_oh + dd * stride_od, o.to(O.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_count(P: int, Hkv: int, rows: int, block_m: int, block_n: int, min_tiles: int, sms: int,
+                programs_per_sm: float = 2.0) -> int:
+    """The default split rule: enough splits that Hkv * row blocks * splits programs fill programs_per_sm * sms,
+    at most one per min_tiles key tiles of the span. Depends on shapes only (never on start)."""
+    blocks = Hkv * triton.cdiv(rows, block_m)
+    return max(1, min(triton.cdiv(triton.cdiv(P, block_n), min_tiles), int(programs_per_sm * sms) // blocks))
+
+
+def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float, *,
+                block_m: int = 64, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
+                n_splits: int | None = None, programs_per_sm: float = 2.0, min_split_keys: int = 256) -> torch.Tensor:
+    """q [L, Hq, D], k, v [P, Hkv, D] (any strides; D a power of two >= 16), start (long scalar tensor on q's
+    device), scale -> o [L, Hq, D] in q's dtype; query i sees keys [0, start + i].
+    n_splits: None picks `split_count`; each used split gets at least min_split_keys keys (rounded up to tiles)."""
+    L, Hq, D = q.shape
+    P, Hkv = k.shape[0], k.shape[1]
+    assert v.shape[:2] == (P, Hkv) and k.shape[2] == D and v.shape[2] == D and Hq % Hkv == 0
+    assert D >= 16 and D & (D - 1) == 0, f"head dim {D}: a power of two >= 16 only"
+    R = Hq // Hkv
+    M = R * L  # rows per KV head: row = query * R + head in group
+    min_tiles = max(1, triton.cdiv(min_split_keys, block_n))
+    if n_splits is None:
+        sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+        n_splits = split_count(P, Hkv, M, block_m, block_n, min_tiles, sms, programs_per_sm)
+    o = torch.empty(L, Hq, D, device=q.device, dtype=q.dtype)
+    direct = n_splits == 1
+    if direct:
+        op, lse = o, o  # not touched
+    else:
+        op = torch.empty(n_splits, Hkv, M, D, device=q.device, dtype=torch.float32)
+        lse = torch.empty(n_splits, Hkv, M, device=q.device, dtype=torch.float32)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 would round float32 inputs; half ignores it
+    _span_split_kernel[(triton.cdiv(M, block_m), n_splits, Hkv)](
+        q, k, v, start, o, op, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        L, P, n_splits, min_tiles, scale * LOG2E,
+        R=R, D=D, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, DOT_PREC=prec,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _span_combine_kernel[(M, Hkv)](
+            op, lse, o, o.stride(0), o.stride(1), o.stride(2), M, n_splits,
+            R=R, D=D, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
+        )
+    return o

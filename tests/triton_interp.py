@@ -1,0 +1,46 @@
+"""Loading a module of Triton kernels for a test: compiled on CUDA, else in Triton's interpreter (TRITON_INTERPRET=1,
+which Triton reads when a kernel is decorated, so the module is (re)loaded after it is set). Skips the calling test
+module when triton is not installed."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _interpreter_index_fix() -> None:
+    """Triton 3.6's interpreter turns a scalar (a 1-element array) into a loop bound with int(array), which numpy
+    >= 2.4 refuses (triton-lang/triton#9171). Apply upstream's fix (#9172): squeeze first. Idempotent."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "statecache_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.statecache_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+def load(name: str, kernel: str):
+    """The module `name` with its kernels runnable here; `kernel` names one of them (checked for interpretation)."""
+    if not CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton")
+    mod = importlib.import_module(name)
+    if not CUDA:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(mod.__dict__[kernel], InterpretedFunction):  # imported earlier without the env var
+            mod = importlib.reload(mod)
+        _interpreter_index_fix()
+    return mod
