@@ -18,6 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# Without CUDA the Triton kernels' tests run them in Triton's interpreter, which Triton's own language functions
+# (tl.sum, tl.cumsum) take only when TRITON_INTERPRET is set before triton is first imported: set it now.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def redis_url():

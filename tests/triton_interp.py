@@ -1,6 +1,6 @@
 """Loading a module of Triton kernels for a test: compiled on CUDA, else in Triton's interpreter (TRITON_INTERPRET=1,
-which Triton reads when a kernel is decorated, so the module is (re)loaded after it is set). Skips the calling test
-module when triton is not installed."""
+which tests/conftest.py sets at start-up and Triton reads when a kernel is decorated; a module imported before it
+was set is reloaded). Skips the calling test module when triton is not installed."""
 
 from __future__ import annotations
 
