@@ -4,7 +4,7 @@
 happen, none of which may run inside a capture), then records one call as a CUDA graph whose memory comes from
 `pool`. Graphs in one pool reuse each other's freed intermediates, which is safe because they replay one at a time
 on one stream and each graph's output stays allocated. `try_capture` counts, times and logs captures and turns a
-failure into None. `pack_inputs` lays out a graph's one input buffer. Knows nothing of what fn computes.
+failure into None. `fill_inputs` lays out a graph's one input buffer; `Staging` sends it from pinned memory. Knows nothing of what fn computes.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 log = logging.getLogger("statecache.graphs")
@@ -52,13 +53,45 @@ def try_capture(fn, pool, stats: dict, failures: list[str], what: str):
         stats["capture_s"] += time.perf_counter() - t0
 
 
+def fill_inputs(buf: np.ndarray, L: int, S: int, ids=(), slots=(), nopts=(), scalars=()) -> None:
+    """Write a graph's inputs into buf [L + 2 * S + len(scalars)] (int64): ids zero-padded to L | slots | option
+    counts (2 past the real slots) | scalars (the chunk runner's start and real length). ids: a list or an int64
+    numpy array."""
+    n = len(ids)
+    buf[:n] = ids
+    buf[n:L] = 0
+    buf[L : L + S] = 0
+    buf[L : L + len(slots)] = slots
+    buf[L + S : L + 2 * S] = 2
+    buf[L + S : L + S + len(nopts)] = nopts
+    buf[L + 2 * S :] = scalars
+
+
 def pack_inputs(L: int, S: int, ids=(), slots=(), nopts=(), scalars=()) -> torch.Tensor:
-    """One host tensor [L + 2 * S + len(scalars)] (long): ids zero-padded to L | slots | option counts (2 past the
-    real slots) | scalars (the chunk runner's start and real length). ids may be a list or an int64 numpy array."""
-    inp = torch.zeros(L + 2 * S + len(scalars), dtype=torch.long)
-    inp[: len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-    inp[L + S : L + 2 * S] = 2
-    inp[L : L + len(slots)] = torch.as_tensor(slots, dtype=torch.long)
-    inp[L + S : L + S + len(nopts)] = torch.as_tensor(nopts, dtype=torch.long)
-    inp[L + 2 * S :] = torch.as_tensor(scalars, dtype=torch.long)
+    """fill_inputs into a new host tensor [L + 2 * S + len(scalars)] (long)."""
+    inp = torch.empty(L + 2 * S + len(scalars), dtype=torch.long)
+    fill_inputs(inp.numpy(), L, S, ids, slots, nopts, scalars)
     return inp
+
+
+class Staging:
+    """A pinned host copy of a graph's input buffer, so each run's inputs go over in one asynchronous copy. Before
+    it is rewritten, the host waits for its previous copy to have left (only a back-to-back run of the same graph,
+    queued behind other GPU work, ever waits)."""
+
+    def __init__(self, dev_buf: torch.Tensor):
+        cuda = dev_buf.device.type == "cuda"  # else (the CPU tests' stand-in graphs) a plain synchronous copy
+        self.dev = dev_buf
+        self.host = torch.empty(dev_buf.shape, dtype=dev_buf.dtype, pin_memory=cuda)
+        self.np = self.host.numpy()
+        self.sent = torch.cuda.Event() if cuda else None
+        if self.sent is not None:
+            self.sent.record()
+
+    def send(self, L: int, S: int, ids=(), slots=(), nopts=(), scalars=()) -> None:
+        if self.sent is not None:
+            self.sent.synchronize()
+        fill_inputs(self.np, L, S, ids, slots, nopts, scalars)
+        self.dev.copy_(self.host, non_blocking=self.sent is not None)
+        if self.sent is not None:
+            self.sent.record()

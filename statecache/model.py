@@ -97,21 +97,21 @@ class Qwen35:
     def compile_elementwise(self, triton_pieces: bool = True) -> None:
         """Fuse the elementwise pieces with torch.compile (Triton on CUDA): one kernel each instead of several.
         Each falls back to its eager form, for good, if compiling it fails. On CUDA, triton_pieces: the residual
-        add + norm and the MLP activation take statecache.norm_triton's single-pass kernels instead."""
+        add + norm, the MLP activation and GDN's gated norm take statecache.norm_triton's kernels instead."""
         (self.norm, self.add_norm, self.gnorm, self.qk_prep, self.act, self.gates,
          self.gate_out) = (Fused(f) for f in PIECES)
         self.use_triton_pieces(triton_pieces)
 
     def use_triton_pieces(self, on: bool) -> None:
-        """On CUDA: add_rmsnorm and silu_mul from statecache.norm_triton (on) or torch.compile (off)."""
+        """On CUDA: add_rmsnorm, silu_mul, gated_rmsnorm from statecache.norm_triton (on) or torch.compile (off)."""
         if self.device.type != "cuda":
             return
         if on:
             from . import norm_triton
 
-            self.add_norm, self.act = norm_triton.add_rmsnorm, norm_triton.silu_mul
+            self.add_norm, self.act, self.gnorm = norm_triton.add_rmsnorm, norm_triton.silu_mul, norm_triton.gated_rmsnorm
         else:
-            self.add_norm, self.act = Fused(add_rmsnorm), Fused(silu_mul)
+            self.add_norm, self.act, self.gnorm = Fused(add_rmsnorm), Fused(silu_mul), Fused(gated_rmsnorm)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [T] (long) -> cos, sin [T, rotary_dim] in the model dtype."""

@@ -86,3 +86,16 @@ def test_lone_plain_rows_through_replayed_graphs(fake_graphs):
     row = (toks(50, 90), [10, 20, 30, 40, 49], [2, 3, 4, 5, 6])
     assert_close(plain.forward([row])[0], reference(*row))
     assert plain.graphs[(64, 16)] is None and plain.stats["capture_failed"] == 1
+
+
+def test_fill_inputs_layout_and_no_stale_values():
+    """A graph's input buffer is reused run after run: a shorter row must leave nothing of the longer one behind."""
+    import numpy as np
+
+    from statecache.graphs import fill_inputs, pack_inputs
+
+    assert pack_inputs(8, 3, [1, 2, 3], [0, 2], [4, 5], (7, 3)).tolist() == [1, 2, 3, 0, 0, 0, 0, 0, 0, 2, 0, 4, 5, 2, 7, 3]
+    buf = np.full(16, -1, dtype=np.int64)
+    fill_inputs(buf, 8, 3, np.arange(10, 18), [5, 6, 7], [3, 3, 3], (64, 8))
+    fill_inputs(buf, 8, 3, np.array([9]), [0], [4], (128, 1))
+    assert buf.tolist() == [9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 2, 2, 128, 1]

@@ -51,3 +51,15 @@ def test_silu_mul_matches_eager(T, I, dtype):
     out = norm_triton.silu_mul(gu)
     tol = 1e-6 if dtype == torch.float32 else 3e-2
     assert out.shape == ref.shape and (out.float() - ref.float()).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,D", [(1, 4, 16), (9, 3, 32), (64, 8, 64)])
+def test_gated_rmsnorm_matches_eager(T, H, D, dtype):
+    x = _rand(T, H, D, dtype=dtype, seed=8)
+    z = _rand(T, H * D + 40, dtype=dtype, seed=9)[:, 8 : 8 + H * D].reshape(T, H, D)  # a strided slice, as in the model
+    w = (1 + 0.1 * _rand(D, seed=10)).to(dtype)
+    ref = model.gated_rmsnorm(x, z, w, 1e-6)
+    out = norm_triton.gated_rmsnorm(x, z, w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert out.dtype == ref.dtype and (out.float() - ref.float()).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
