@@ -33,9 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from statecache.cache import CacheSettings, StateCache  # noqa: E402
 from statecache.config import parse_config  # noqa: E402
 from statecache.graphs import capture  # noqa: E402
-from statecache.index import as_ids  # noqa: E402
 from statecache.kernels import FlaKernels, TorchKernels  # noqa: E402
-from statecache.loader import weights_from_state_dict  # noqa: E402
+from statecache.loader import GdnWeights, weights_from_state_dict  # noqa: E402
 from statecache.model import Qwen35  # noqa: E402
 from statecache.plain import PlainPath  # noqa: E402
 from statecache.runner import ChunkRunner  # noqa: E402
@@ -79,11 +78,10 @@ def host_ms(fn, reps=50):
 
 
 def hit_breakdown(cache, runner, ids, p: int, reps=10) -> dict:
-    """Where a hit's wall time goes: token conversion and lookup (host), the restore, the chunk's launch (host
-    time until runner.run returns), the GPU until done, and the read-back; medians over reps."""
-    arr = as_ids(ids)
-    out = {"as_ids": host_ms(lambda: as_ids(ids)), "lookup": host_ms(lambda: cache.index.lookup(arr, p))}
-    best = cache.index.lookup(arr, p)
+    """Where a hit's wall time goes: the lookup (host), the restore, the chunk's launch (host time until runner.run
+    returns), the GPU until done, and the read-back; medians over reps."""
+    out = {"lookup": host_ms(lambda: cache.index.lookup(ids, p))}  # from the list, as rows arrive
+    best = cache.index.lookup(ids, p)
     parts: dict[str, list] = {"restore": [], "launch": [], "gpu_after_launch": [], "read_back": []}
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -91,15 +89,37 @@ def hit_breakdown(cache, runner, ids, p: int, reps=10) -> dict:
         cache._restore(best)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        o = runner.run(arr, p, len(arr), [len(arr) - 1], [4])
+        o = runner.run(ids, p, len(ids), [len(ids) - 1], [4])
         t2 = time.perf_counter()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        o[:1].float().cpu()
+        runner.read(o, 1)
         t4 = time.perf_counter()
         for k, a, b in (("restore", t0, t1), ("launch", t1, t2), ("gpu_after_launch", t2, t3), ("read_back", t3, t4)):
             parts[k].append(1000 * (b - a))
     out.update({k: round(statistics.median(v), 4) for k, v in parts.items()})
+    return out
+
+
+def gemm_in_situ(model) -> dict:
+    """Microseconds per 64-row GEMM over the model's own weights (each layer's once, as one graph), with kernel names:
+    to tell a slow projection's cause (its weights, or its place in the hit's graph)."""
+    from gpu_gemm_skinny import graph_us, kernel_names
+
+    x = torch.randn(64, model.cfg.hidden_size, device="cuda", dtype=model.dtype)
+    mixers = [L.mixer for L in model.w.layers]
+    groups = {"gdn_in": [m.in_w for m in mixers if isinstance(m, GdnWeights)], "gate_up": [L.gate_up_w for L in model.w.layers],
+              "down": None}
+    out = {}
+    for name, ws in groups.items():
+        if ws is None:  # down takes the intermediate width
+            xi = torch.randn(64, model.cfg.intermediate_size, device="cuda", dtype=model.dtype)
+            fns = [lambda W=L.down_w: xi @ W.T for L in model.w.layers]
+            first = lambda: xi @ model.w.layers[0].down_w.T  # noqa: E731
+        else:
+            fns = [lambda W=W: x @ W.T for W in ws]
+            first = lambda W=ws[0]: x @ W.T  # noqa: E731
+        out[name] = {"us": graph_us(fns), "kernels": kernel_names(first)}
     return out
 
 
@@ -432,6 +452,8 @@ def bench_shape(name, args):
     res[mode + "hit_graph_ms"] = replay_ms(runner)
     res[mode + "hit_breakdown_ms"] = hit_breakdown(cache, runner, hits[0], 4096)
     log(name, "hit breakdown (ms)", res[mode + "hit_breakdown_ms"])
+    res["gemm_in_situ_us"] = gemm_in_situ(m16)
+    log(name, "64-row GEMMs on the model's own weights, one graph over all layers (us per call)", res["gemm_in_situ_us"])
     res["hit_path"] = hp_["path"]
     if prof_here:
         profile(f"{mode}hit_{name}", hit)

@@ -42,6 +42,18 @@ def graph_us(fns, reps: int = 10) -> float:
     return round(sorted(ts)[len(ts) // 2], 2)
 
 
+def kernel_names(fn) -> list[str]:
+    """The CUDA kernels one call of fn launches (names as the profiler reports them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in p.events() if e.device_type.name == "CUDA"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -59,6 +71,12 @@ def main():
         Ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(COPIES)]
         nb = N * K * 2
         record(f"{name}_M64", graph_us([lambda W=W: x[64] @ W.T for W in Ws]), nb)
+        res[f"{name}_M64"]["kernels"] = kernel_names(lambda W=Ws[0]: x[64] @ W.T)
+        print(f"[gemm] {name}_M64 kernels: {res[f'{name}_M64']['kernels']}", flush=True)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        record(f"{name}_M64_no_reduced_reduction", graph_us([lambda W=W: x[64] @ W.T for W in Ws]), nb)
+        res[f"{name}_M64_no_reduced_reduction"]["kernels"] = kernel_names(lambda W=Ws[0]: x[64] @ W.T)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
         record(f"{name}_M128", graph_us([lambda W=W: x[128] @ W.T for W in Ws]), nb)
         record(f"{name}_M64_WxT", graph_us([lambda W=W: (W @ x[64].T).T for W in Ws]), nb)
         for mult in (128, 256):

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .index import Checkpoint, CheckpointIndex, as_ids, plan_chunks
+from .index import Checkpoint, CheckpointIndex, plan_chunks
 from .runner import ChunkRunner
 
 
@@ -73,11 +73,10 @@ class StateCache:
 
     @torch.no_grad()
     def row(self, ids, state_len: int, slots: list[int], nopts: list[int], plant_anyway: bool = False) -> Answer | None:
-        """One eligible row (ids: a list of ints or an int64 array) -> its Answer, or None for the plain path. plant_anyway: skip `cold_ok` (other waiting
+        """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the plain path. plant_anyway: skip `cold_ok` (other waiting
         rows share this state, so planting it pays)."""
         if not self.eligible(ids, state_len, slots):
             return None
-        ids = as_ids(ids)  # once: the lookup, the chunks' inputs and the planted group all read this array
         n, p = len(ids), self._down(state_len)
         best = self.index.lookup(ids, limit=p)
         c0 = best.pos if best is not None else 0

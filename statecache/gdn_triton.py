@@ -29,7 +29,9 @@ Design:
   side); queries, keys again and the state after it (scores, output, state update), so that no [T, Dk] tile
   stays in registers through the solve. The slice loops are plain `range` loops, which Triton pipelines through
   shared memory. Compiled for sm_90 without a GPU (Triton 3.6, bf16 inputs, Dk = 128, T = 64, BV = 32): ptxas
-  reports no spills with 8 warps (the default), 80 bytes with 4, more for BV = 64 with 4 warps or BV = 128.
+  reports no spills with 8 warps, 80 bytes with 4, more for BV = 64 with 4 warps or BV = 128. Measured on an H200
+  at the 9B shape, 64 tokens (bench/results/s3_run3/gdn_check.json): BV = 32 with 4 warps (the default) 16.3 us,
+  with 8 warps 19.8 us, BV = 64 25.6 us, BV = 128 48.5 us; fla's chain of kernels took ~33 us in the hit's profile.
 - `dot_precision` ("tf32" by default, "tf32x3" or "ieee" for more accuracy) sets the float32 dots' input
   precision (Triton's interpreter ignores it). The gate runs through exp2 of a cumsum scaled by log2(e), as in fla.
 - T, the row block, is the next power of two >= L (16, 32 or 64): masked rows load as zero (g = beta = 0, zero
@@ -149,7 +151,7 @@ def _delta_chunk_kernel(
 
 def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 S: torch.Tensor, store_state: bool = True, *, block_v: int = 32, block_k: int = 64,
-                num_warps: int = 8, dot_precision: str = "tf32") -> torch.Tensor:
+                num_warps: int = 4, dot_precision: str = "tf32") -> torch.Tensor:
     """One chunk of the gated delta rule. q, k [L, Hk, Dk], v [L, Hv, Dv], g (float32 log decay, not cumulated)
     and beta [L, Hv], S [Hv, Dk, Dv] float32 updated in place (unless store_state is False) -> o [L, Hv, Dv] in
     v's dtype. q and k are L2-normalised here, q scaled by Dk**-0.5; value head h reads key head h // (Hv // Hk).
@@ -163,6 +165,10 @@ def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     BV, BK = min(block_v, Dv), min(block_k, Dk)
     assert BV >= 16 and Dv % BV == 0 and BK >= 16 and Dk % BK == 0
     BT = max(16, triton.next_power_of_2(L))
+    if q.is_cuda and BT == 64 and BK < 64:
+        # seen on an H200 (bench/README.md, s3_run3): 64-row blocks over key slices under 64 wide faulted (illegal
+        # access) in the tests, while the real models' shape (Dk 128, BK 64) and all shorter blocks check out
+        raise ValueError(f"delta_chunk on CUDA: 33..64 tokens need key slices of 64 (Dk >= 64, block_k >= 64), got {BK}")
     o = torch.empty((L, Hv, Dv), dtype=v.dtype, device=v.device)
     _delta_chunk_kernel[(Hv, Dv // BV)](
         q, k, v, g, beta, S, o, L,

@@ -256,7 +256,7 @@ class FlaKernels(TorchKernels):
         return super().conv_into(x, w, tail, real)
 
     def delta_into(self, q, k, v, g, beta, S):
-        if self.short_kernels and q.shape[0] <= DELTA_CHUNK_MAX:
+        if self.short_kernels and q.shape[0] <= DELTA_CHUNK_MAX and q.shape[-1] >= 64:  # see gdn_triton.delta_chunk
             return self._delta_chunk(q, k, v, g, beta, S)
         return super().delta_into(q, k, v, g, beta, S)
 
