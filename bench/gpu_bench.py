@@ -39,6 +39,8 @@ from statecache.model import Qwen35  # noqa: E402
 from statecache.plain import PlainPath  # noqa: E402
 from statecache.runner import ChunkRunner  # noqa: E402
 
+from gpu_timing import replay_median_ms  # noqa: E402 - bench/ is on sys.path when this runs as a script
+
 R: dict = {}
 OUT: Path
 
@@ -104,7 +106,8 @@ def hit_breakdown(cache, runner, ids, p: int, reps=10) -> dict:
 def gemm_in_situ(model) -> dict:
     """Microseconds per 64-row GEMM over the model's own weights (each layer's once, as one graph), with kernel names:
     to tell a slow projection's cause (its weights, or its place in the hit's graph)."""
-    from gpu_gemm_skinny import graph_us, kernel_names
+    from gpu_gemm_skinny import kernel_names
+    from gpu_timing import graph_us
 
     x = torch.randn(64, model.cfg.hidden_size, device="cuda", dtype=model.dtype)
     mixers = [L.mixer for L in model.w.layers]
@@ -121,19 +124,6 @@ def gemm_in_situ(model) -> dict:
             first = lambda W=ws[0]: x @ W.T  # noqa: E731
         out[name] = {"us": graph_us(fns), "kernels": kernel_names(first)}
     return out
-
-
-def replay_median_ms(graph, reps=20) -> float:
-    """GPU milliseconds of one replay of a captured CUDA graph, median of reps (CUDA events)."""
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def gtime(fn, reps=20):

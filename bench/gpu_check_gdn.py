@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
+import gpu_timing  # noqa: E402 - bench/ is on sys.path when this runs as a script
 import torch
 import torch.nn.functional as F
 
@@ -106,29 +106,8 @@ def fla_call(gdr):
 
 
 def graph_us(fns) -> float:
-    """GPU microseconds per call: CALLS calls cycling through fns, captured in one CUDA graph, median of REPS."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(1000 * a.elapsed_time(b) / CALLS)
-    return round(statistics.median(ts), 2)
+    """GPU microseconds per call: CALLS calls cycling through fns in one CUDA graph, median of REPS replays."""
+    return gpu_timing.graph_us(fns, CALLS, REPS)
 
 
 def graph_replay_check(case: Case) -> dict:

@@ -16,30 +16,11 @@ import json
 from pathlib import Path
 
 import torch
+from gpu_timing import graph_us  # bench/ is on sys.path when this runs as a script
 
 COPIES = 8  # weight copies cycled through (>= 8 x 33 MB: beyond the H200's 50 MB L2)
 H, I = 4096, 12288
 SHAPES = {"gdn_in": (8256, H), "attn_qkv": (10240, H), "gate_up": (2 * I, H), "down": (H, I), "out": (H, H)}
-
-
-def graph_us(fns, reps: int = 10) -> float:
-    """Microseconds per call of fns run in turn, as one CUDA graph (median of reps replays)."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(1000 * a.elapsed_time(b) / len(fns))
-    return round(sorted(ts)[len(ts) // 2], 2)
 
 
 def kernel_names(fn) -> list[str]:
