@@ -73,8 +73,8 @@ class StateCache:
 
     @torch.no_grad()
     def row(self, ids, state_len: int, slots: list[int], nopts: list[int], plant_anyway: bool = False) -> Answer | None:
-        """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the plain path. plant_anyway: skip `cold_ok` (other waiting
-        rows share this state, so planting it pays)."""
+        """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the
+        plain path. plant_anyway: skip `cold_ok` (other waiting rows share this state, so planting it pays)."""
         if not self.eligible(ids, state_len, slots):
             return None
         n, p = len(ids), self._down(state_len)

@@ -5,11 +5,10 @@ Two implementations of one small interface, chosen once per device:
   rule (64-token chunks, float32), tested against transformers' own torch implementation.
 - `FlaKernels` (CUDA): fla's chunked gated delta rule and causal conv1d; FlashAttention with native grouped
   heads (the aten op varlen attention wraps; self-checked at start-up, else varlen attention with repeated K/V
-  heads, else SDPA). Short chunks continuing from saved state take our own Triton kernels: the whole delta rule
-  of one chunk of <= 64 tokens in one kernel (statecache.gdn_triton), the conv with its saved inputs
-  (statecache.conv_triton), and attention over the cached keys split
-  over the keys (statecache.span_triton); `short_kernels=False` falls back to fla's chain and to two batched
-  matmuls per KV head group.
+  heads, else SDPA). Short chunks continuing from saved state take statecache's own Triton kernels: the whole
+  delta rule of a chunk of <= 64 tokens in one kernel (statecache.gdn_triton), the conv with its saved inputs
+  (statecache.conv_triton) and attention over the cached keys split over the keys (statecache.span_triton);
+  `short_kernels=False` falls back to fla's chain, fla's conv and two batched matmuls per KV head group.
 
 Shapes (T = packed tokens, B = sequences, cu = int32 cumulative lengths [B+1]):
 - conv(x [1, T, C], w [C, W], cu) -> silu(causal depthwise conv) [1, T, C]; every sequence starts from zeros
