@@ -15,26 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bf16_drift_cpu import maxdiff, perturbed_hf  # bench/ is on sys.path when this runs as a script
 
-from statecache.cache import CacheSettings, StateCache  # noqa: E402
-from statecache.checkpoints import hf_qwen3_5, real_shape  # noqa: E402
-from statecache.config import parse_config  # noqa: E402
-from statecache.kernels import TorchKernels  # noqa: E402
-from statecache.loader import weights_from_state_dict  # noqa: E402
-from statecache.model import Qwen35  # noqa: E402
-from statecache.plain import PlainPath  # noqa: E402
-from statecache.runner import ChunkRunner  # noqa: E402
-
-
-def maxdiff(a, b):
-    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
+from statecache.cache import CacheSettings, StateCache
+from statecache.kernels import TorchKernels
+from statecache.loader import weights_from_state_dict
+from statecache.model import Qwen35
+from statecache.plain import PlainPath
+from statecache.runner import ChunkRunner
 
 
 def main():
@@ -48,15 +41,7 @@ def main():
     args.out = args.out or str(Path(__file__).parent / "results" / f"bf16_cache_cpu_{args.shape}.json")
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
-    mod = hf_qwen3_5()
-    cfg_hf = mod.Qwen3_5TextConfig(**real_shape(args.shape))
-    torch.manual_seed(0)
-    hf = mod.Qwen3_5ForCausalLM(cfg_hf).eval()
-    for p in hf.parameters():
-        if p.ndim == 1:
-            p.add_(0.1 * torch.randn_like(p))
-        p.copy_(p.to(torch.bfloat16).float())  # bf16-rounded: both precisions start from the same numbers
-    cfg = parse_config(hf.config.to_dict())
+    _, hf, cfg = perturbed_hf(args.shape)
     letters = list(range(32, 58))
     sd = hf.state_dict()
     m16 = Qwen35(weights_from_state_dict(cfg, sd, letters, "cpu", torch.bfloat16))

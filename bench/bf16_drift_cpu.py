@@ -36,6 +36,25 @@ def maxdiff(a, b):
     return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
 
 
+def perturbed_hf(shape_name: str, layers: int = 0):
+    """transformers' float32 Qwen3_5ForCausalLM in a real shape (random, seed 0, every 1-d parameter perturbed, all
+    rounded to bf16 so that both precisions start from the same numbers) -> (its module, model, our TextConfig)."""
+    mod = hf_qwen3_5()
+    shape = real_shape(shape_name)
+    if layers:
+        shape["num_hidden_layers"] = layers
+        shape["layer_types"] = shape["layer_types"][:layers]
+    torch.manual_seed(0)
+    hf32 = mod.Qwen3_5ForCausalLM(mod.Qwen3_5TextConfig(**shape)).eval()
+    with torch.no_grad():
+        for p in hf32.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+        for p in hf32.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return mod, hf32, parse_config(hf32.config.to_dict())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="0.8B")
@@ -45,20 +64,8 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bf16_drift_cpu.json"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    mod = hf_qwen3_5()
-    shape = real_shape(args.shape)
-    if args.layers:
-        shape["num_hidden_layers"] = args.layers
-        shape["layer_types"] = shape["layer_types"][: args.layers]
-    cfg_hf = mod.Qwen3_5TextConfig(**shape)
-    torch.manual_seed(0)
-    hf32 = mod.Qwen3_5ForCausalLM(cfg_hf).eval()
-    for p in hf32.parameters():
-        if p.ndim == 1:
-            p.add_(0.1 * torch.randn_like(p))
-    for p in hf32.parameters():  # the bf16-rounded weights, so both precisions start from the same numbers
-        p.copy_(p.to(torch.bfloat16).float())
-    cfg = parse_config(hf32.config.to_dict())
+    mod, hf32, cfg = perturbed_hf(args.shape, args.layers)
+    cfg_hf = hf32.config
     letters = list(range(32, 58))
     sd = hf32.state_dict()
     ours32 = PlainPath(Qwen35(weights_from_state_dict(cfg, sd, letters, "cpu", torch.float32)), TorchKernels())
