@@ -52,6 +52,8 @@ import triton
 import triton.language as tl
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+MAX_TOKENS = 64  # one chunk: the most tokens a call takes
+WIDE_KEYS = 64  # on CUDA, 33..MAX_TOKENS tokens need key slices at least this wide (see delta_chunk)
 
 
 @triton.jit
@@ -158,14 +160,14 @@ def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     block_v, block_k, num_warps, dot_precision: launch knobs (block sizes are clipped to Dv, Dk)."""
     L, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
-    assert 1 <= L <= 64, f"one chunk holds 1..64 tokens, got {L}"
+    assert 1 <= L <= MAX_TOKENS, f"one chunk holds 1..{MAX_TOKENS} tokens, got {L}"
     assert q.shape == k.shape and q.dtype == k.dtype and v.shape[0] == L and Hv % Hk == 0
     assert g.shape == (L, Hv) and beta.shape == (L, Hv) and S.shape == (Hv, Dk, Dv) and S.dtype == torch.float32
     assert Dk >= 16 and Dk & (Dk - 1) == 0 and Dv >= 16 and Dv & (Dv - 1) == 0, "Dk, Dv: powers of two >= 16"
     BV, BK = min(block_v, Dv), min(block_k, Dk)
     assert BV >= 16 and Dv % BV == 0 and BK >= 16 and Dk % BK == 0
     BT = max(16, triton.next_power_of_2(L))
-    if q.is_cuda and BT == 64 and BK < 64:
+    if q.is_cuda and BT == 64 and BK < WIDE_KEYS:
         # seen on an H200 (bench/README.md, s3_run3): 64-row blocks over key slices under 64 wide faulted (illegal
         # access) in the tests, while the real models' shape (Dk 128, BK 64) and all shorter blocks check out
         raise ValueError(f"delta_chunk on CUDA: 33..64 tokens need key slices of 64 (Dk >= 64, block_k >= 64), got {BK}")

@@ -4,7 +4,8 @@
 happen, none of which may run inside a capture), then records one call as a CUDA graph whose memory comes from
 `pool`. Graphs in one pool reuse each other's freed intermediates, which is safe because they replay one at a time
 on one stream and each graph's output stays allocated. `try_capture` counts, times and logs captures and turns a
-failure into None. `fill_inputs` lays out a graph's one input buffer; `Staging` sends it from pinned memory. Knows nothing of what fn computes.
+failure into None. `fill_inputs` lays out a graph's one input buffer; `Staging` sends it from pinned memory.
+Knows nothing of what fn computes.
 """
 
 from __future__ import annotations

@@ -165,7 +165,6 @@ def attend_grouped(q, k, v, start, scale: float, softmax=span_softmax, f32_score
     return o.view(Hkv, R, L, D).permute(2, 0, 1, 3).reshape(L, Hq, D)
 
 
-DELTA_CHUNK_MAX = 64  # statecache.gdn_triton's one-chunk kernel: at most this many tokens
 SPAN_SPLIT_MAX_Q = 128  # statecache.span_triton for chunks of at most this many queries
 
 
@@ -202,6 +201,7 @@ class FlaKernels(TorchKernels):
         from . import conv_triton, gdn_triton, span_triton
 
         self._delta_chunk, self._span = gdn_triton.delta_chunk, span_triton.attend_span
+        self._delta_max, self._delta_keys = gdn_triton.MAX_TOKENS, gdn_triton.WIDE_KEYS
         self._conv_chunk, self._conv_chunk_max = conv_triton.conv_chunk, conv_triton.MAX_ROWS
 
     def compile_elementwise(self) -> None:
@@ -255,7 +255,7 @@ class FlaKernels(TorchKernels):
         return super().conv_into(x, w, tail, real)
 
     def delta_into(self, q, k, v, g, beta, S):
-        if self.short_kernels and q.shape[0] <= DELTA_CHUNK_MAX and q.shape[-1] >= 64:  # see gdn_triton.delta_chunk
+        if self.short_kernels and q.shape[0] <= self._delta_max and q.shape[-1] >= self._delta_keys:
             return self._delta_chunk(q, k, v, g, beta, S)
         return super().delta_into(q, k, v, g, beta, S)
 

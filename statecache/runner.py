@@ -145,8 +145,8 @@ class ChunkRunner:
                 "failed": self.failures[:3]}
 
     def run(self, ids, s: int, e: int, slots=None, nopts=None) -> torch.Tensor:
-        """Chunk [s, e) of ids (an int64 numpy array or a list of ints) from the current state -> probabilities [max_slots, n_letters]
-        at `slots` (absolute positions in [s, e)); rows past len(slots) are padding."""
+        """Chunk [s, e) of ids (an int64 numpy array or a list of ints) from the current state -> probabilities
+        [max_slots, n_letters] at `slots` (absolute positions in [s, e)); rows past len(slots) are padding."""
         key = self.shape(s, e)
         if key is None:
             raise NotCaptured(f"chunk [{s}, {e}) has no shape")
