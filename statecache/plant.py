@@ -55,6 +55,7 @@ class _Call:
     cu: torch.Tensor | None  # [N_k + 1] int32 (device), None for one sequence
     prev: torch.Tensor | None  # [N_k] long (device): each participant's row among the previous call's, None: all
     saves: list[tuple[int, int, int]]  # (row in this call, planted index, checkpoint index) for segments ending at one
+    span: tuple[int, int] | None = None  # one member: its packed tokens [a, e) (sliced, not gathered)
 
 
 def _check_plan(plan: list[int], n: int) -> list[int]:
@@ -83,7 +84,7 @@ class PlantMixer(PackedMixer):
         self.plans = [None if pl is None else _check_plan(pl, n) for pl, n in zip(plans, lens)]
         self.planted: list[Planted | None] = [None if pl is None else Planted(pl) for pl in self.plans]
         self.calls = self._split(dev)
-
+        self.short_max = 64  # segments of one sequence up to this many tokens take kernels.delta_into
     def _split(self, dev) -> list[_Call]:
         """The delta-rule calls: sequence b's segments are [0, c1), [c1, c2), ..., [cm, n_b) (the last dropped when
         empty); call k packs segment k of every sequence that has one."""
@@ -106,9 +107,11 @@ class PlantMixer(PackedMixer):
             prev = None
             if prev_members is not None and members != prev_members:
                 prev = torch.tensor([prev_members.index(b) for b in members], dtype=torch.long, device=dev)
+            one = len(members) == 1
+            span = (self.starts[members[0]] + bounds[members[0]][k], self.starts[members[0]] + bounds[members[0]][k + 1])
             calls.append(_Call(idx=torch.cat(pieces).to(dev),
-                               cu=torch.tensor(cu, dtype=torch.int32, device=dev) if len(members) > 1 else None,
-                               prev=prev, saves=saves))
+                               cu=None if one else torch.tensor(cu, dtype=torch.int32, device=dev),
+                               prev=prev, saves=saves, span=span if one else None))
             prev_members = members
         return calls
 
@@ -130,22 +133,41 @@ class PlantMixer(PackedMixer):
     def delta(self, j, q, k, v, g, beta):
         if len(self.calls) == 1 and not self.calls[0].saves:
             return super().delta(j, q, k, v, g, beta)
-        o = None
-        S = None
+        one_seq = len(self.lens) == 1  # every call a slice, in order: the outputs joined by one cat
+        outs, o, S = [], None, None
         for call in self.calls:
-            parts = [t.index_select(0, call.idx)[None] for t in (q, k, v, g, beta)]
             init = None if S is None else (S if call.prev is None else S.index_select(0, call.prev))
-            out, S = self.k.delta(*parts, init, call.cu)
-            if o is None:
-                o = out.new_empty((q.shape[0],) + tuple(out.shape[2:]))
-            o.index_copy_(0, call.idx, out[0])
+            if call.span is not None:  # one sequence in this call: its segment is a slice
+                a, e = call.span
+                parts = [t[a:e] for t in (q, k, v, g, beta)]
+                if e - a <= self.short_max:  # a short segment: the one-chunk kernel, from a copy of the state
+                    S = self._S0(q, v) if init is None else init.clone()
+                    out = self.k.delta_into(*parts, S[0])[None]
+                else:
+                    out, S = self.k.delta(*(t[None] for t in parts), init, None)
+            else:
+                parts = [t.index_select(0, call.idx)[None] for t in (q, k, v, g, beta)]
+                out, S = self.k.delta(*parts, init, call.cu)
+            if one_seq:
+                outs.append(out[0])
+            else:
+                if o is None:
+                    o = out.new_empty((q.shape[0],) + tuple(out.shape[2:]))
+                if call.span is not None:
+                    o[call.span[0] : call.span[1]].copy_(out[0])
+                else:
+                    o.index_copy_(0, call.idx, out[0])
             for r, b, i in call.saves:
                 pl = self.planted[b]
                 if j == 0 and i == 0:
                     pl.S = [torch.empty((self.n_gdn,) + tuple(S.shape[1:]), dtype=torch.float32, device=S.device)
                             for _ in pl.positions]
                 pl.S[i][j].copy_(S[r])
-        return o
+        return torch.cat(outs) if one_seq else o
+
+    def _S0(self, q, v) -> torch.Tensor:
+        """An empty state [1, Hv, Dk, Dv] float32 (a short first segment's start)."""
+        return torch.zeros(1, v.shape[1], q.shape[-1], v.shape[-1], dtype=torch.float32, device=q.device)
 
     def attend(self, a, q, k, v, scale):
         for b, pl in enumerate(self.planted):

@@ -276,14 +276,19 @@ def _plant_packed(cache, rows, planting):
     return outs
 
 
+@pytest.mark.parametrize("lone", [False, True], ids=["packed", "lone"])
 @pytest.mark.parametrize("stride,tail", [(128, 16), (192, 16), (0, 0), (64, 64)])
-def test_packed_forward_plants_what_the_chunked_path_plants(stride, tail):
+def test_packed_forward_plants_what_the_chunked_path_plants(stride, tail, lone):
     """The packed forward's checkpoints (positions, conv tails, fp32 S, K/V) equal the chunked cold row's, for
-    sequences of several lengths packed with one that plants nothing; and its answers are the plain forward's."""
+    sequences of several lengths packed with one that plants nothing, or each row alone (its segments sliced,
+    the short ones through the one-chunk kernel); and its answers are the plain forward's."""
     rows = [(toks(300, 91) + question(20, 1), 300, [319], [4]), (toks(40, 92), 40, [39], [3]),
             (toks(450, 93) + question(7, 2), 450, [452, 456], [2, 5]), (toks(64, 94) + question(3, 3), 64, [66], [4])]
     packed = make_cache(False, stride=stride, tail=tail)
-    outs = _plant_packed(packed, rows, {0, 2, 3})
+    if lone:
+        outs = [_plant_packed(packed, [r], {0} if k != 1 else set())[0] for k, r in enumerate(rows)]
+    else:
+        outs = _plant_packed(packed, rows, {0, 2, 3})
     for r, got in zip(rows, outs):
         assert_close(got, reference(r[0], r[2], r[3]))
     for ids, state_len, slots, nopts in (rows[0], rows[2], rows[3]):
