@@ -54,6 +54,7 @@ def fresh(mb: int, pad: bool) -> Engine:
     eng.cache.clear()
     eng.memo = Memo(4096)
     eng.cold_ok.asked.clear()
+    eng.counts = dict.fromkeys(eng.counts, 0)
     return eng
 
 
