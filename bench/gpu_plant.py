@@ -4,7 +4,8 @@ One row of a 4096-token state and a 64-token question:
 - plain: the lone row as one CUDA graph (the plain path's default on CUDA) and the same row packed, eager;
 - cold with planting: the packed forward that also leaves the row's checkpoints (statecache.plant: the delta rule
   split at the planned positions, conv tails, K/V copied out), planted into a StateCache as the engine does it;
-  the ratio to the plain row (the target: at most 1.05x the plain graph);
+  the ratio to the plain row (the target: at most 1.05x the plain graph); then the same row as pieces of CUDA
+  graphs cut at the delta rules (statecache.plant.PlantGraphs, experimental), its time, answer and states;
 - the chunked cold row of the cached path (chunk graphs), for comparison, and its checkpoints against the planted
   ones: positions, fp32 states S, conv tails, K/V (max |diff| and max |diff| / max |value|);
 - a later hit from the planted state (a new 64-token question), its time and its answer against the plain forward
@@ -153,6 +154,32 @@ def bench(args):
     R["target_cold_le_1.05x_plain_graph"] = R["cold_plant_vs_plain_graph"] <= 1.05
     log("cold with planting", R["cold_plant_ms"], "ms:", R["cold_plant_vs_plain_graph"], "x the plain graph,",
         R["cold_plant_vs_plain_packed"], "x packed eager; checkpoints", sorted(c.pos for c in cache.index.lru_order()))
+    save()
+
+    # the same as pieces of CUDA graphs cut at the delta rules (PlainPath(plant_graphs=True), experimental)
+    try:
+        pgp = PlainPath(m16, fk, pool=runner.pool, plant_graphs=True)
+        pcache = StateCache(runner, settings)
+
+        def cold_pieces():
+            pcache.clear()
+            return plant(pcache, pgp, [row], [STATE])
+
+        t = time.perf_counter()
+        p_pieces = cold_pieces()[0]
+        R["pieces_capture_s"] = round(time.perf_counter() - t, 1)
+        R["pieces_graphs"] = {str(k): (len(v.graphs) if v else None) for k, v in pgp.planter.graphs.items()}
+        R["pieces_failures"] = pgp.failures[:3]
+        R["cold_pieces_ms"] = timed(cold_pieces)
+        R["cold_pieces_vs_plain_graph"] = round(R["cold_pieces_ms"] / R["plain_graph_ms"], 4)
+        R["cold_pieces_answer_vs_plain"] = maxdiff(p_pieces, p_plain)
+        R["states_pieces_vs_packed"] = compare_states(pcache, cache)
+        log("cold with planting, pieces of graphs", R["cold_pieces_ms"], "ms:", R["cold_pieces_vs_plain_graph"],
+            "x the plain graph; capture", R["pieces_capture_s"], "s; failures", R["pieces_failures"])
+        del pcache, pgp
+    except Exception:  # noqa: BLE001
+        R.setdefault("errors", []).append("pieces: " + traceback.format_exc()[-2000:])
+        log(traceback.format_exc())
     save()
 
     # the chunked cold row (today's cached path), its checkpoints against the planted ones

@@ -7,8 +7,9 @@ Two forms:
 - single: one row alone, its tokens zero-padded to a multiple of `bucket` (everything is causal, so padding after
   the row changes nothing before it). On CUDA each (padded length, slot bucket) is one CUDA graph, captured on
   first use into one shared pool, so a lone uncached row pays no Python or launch overhead. A shape that fails
-  to capture is remembered and that row runs packed instead. A row that leaves checkpoints never takes this form:
-  its delta rule is split at its own positions, which are not a shape a bucketed graph key can hold.
+  to capture is remembered and that row runs packed instead. A row that leaves checkpoints does not take this form:
+  its delta rule is split at its own positions, which are not a shape a bucketed graph key can hold; with
+  `plant_graphs` (experimental) it runs as pieces of graphs cut at the delta rules (statecache.plant.PlantGraphs).
 Knows nothing of the cache, the memo or Redis.
 """
 
@@ -20,7 +21,7 @@ import torch
 
 from .graphs import new_stats, pack_inputs, try_capture
 from .mixers import PackedMixer
-from .plant import Planted, PlantMixer
+from .plant import Planted, PlantGraphs, PlantMixer
 
 SLOT_BUCKETS = (4, 16, 64)  # answer slots a single-row graph has room for
 
@@ -34,7 +35,7 @@ class _Graph:
 
 class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
-                 bucket: int = 64, max_graph_tokens: int = 8192, pool=None):
+                 bucket: int = 64, max_graph_tokens: int = 8192, pool=None, plant_graphs: bool = False):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.use_graphs = (model.device.type == "cuda") if graphs is None else graphs
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)  # single rows padded to `bucket`
@@ -43,6 +44,9 @@ class PlainPath:
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.failures: list[str] = []
+        # a lone planting row as pieces of graphs (statecache.plant.PlantGraphs; experimental, off by default)
+        self.planter = (PlantGraphs(model, kernels, self.pool, max_graph_tokens, self.stats, self.failures)
+                        if plant_graphs and self.use_graphs else None)
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices of rows packed greedily into forwards of at most max_tokens tokens (a longer row goes alone)."""
@@ -78,6 +82,13 @@ class PlainPath:
                 got = self._single(*rows[batch[0]])
                 if got is not None:
                     results[batch[0]] = got
+                    continue
+            if len(batch) == 1 and self.planter is not None and plans[batch[0]] is not None:
+                ids, slots, nopts = rows[batch[0]]
+                key = self.planter.key(len(ids), len(slots), len(plans[batch[0]]), self.bucket, SLOT_BUCKETS)
+                got = None if key is None else self.planter.run(key, ids, slots, nopts, plans[batch[0]])
+                if got is not None:
+                    results[batch[0]], planted[batch[0]] = got
                     continue
             self._packed(rows, batch, results, plans, planted)
         return results, planted

@@ -180,3 +180,190 @@ class PlantMixer(PackedMixer):
             pl.K[a].copy_(k[s : s + p])
             pl.V[a].copy_(v[s : s + p])
         return super().attend(a, q, k, v, scale)
+
+
+# ---- a lone planting row as pieces of CUDA graphs ---------------------------------------------------------------------
+
+M_BUCKETS = (4, 8, 16, 32, 64, 128)  # checkpoints a lone planting row's graph has room for
+
+
+@dataclass
+class _Pieces:
+    inp: torch.Tensor  # [T + 2 * S] long: ids | slots | nopts (see statecache.graphs.pack_inputs)
+    conv_idx: torch.Tensor  # [M * (W - 1)] long: the positions whose conv inputs each checkpoint keeps
+    out: torch.Tensor | None = None  # [S, n_letters]
+    graphs: list = field(default_factory=list)  # G + 1 graphs: before the first delta rule, between each, after
+
+
+class _StageMixer(PackedMixer):
+    """The forward of one padded row with its delta rules taken out: each GDN layer's q, k, v, g, beta go to the
+    stage buffers, `between(j)` runs (the delta rule, eagerly, or the switch to the next captured graph), and the
+    layer goes on from the stage's output buffer. Conv tails are gathered at `conv_idx` into `tails`, the attention
+    keys and values copied into `K`, `V` (all static buffers, so a graph captured over them serves every row)."""
+
+    def __init__(self, kernels, cu, T: int, bufs: dict, conv_idx: torch.Tensor, between):
+        super().__init__(kernels, cu, T)
+        self.T, self.b, self.conv_idx, self.between = T, bufs, conv_idx, between
+
+    def conv(self, j, x, w):
+        torch.index_select(x, 0, self.conv_idx, out=self.b["tails"][j, : self.conv_idx.shape[0]])
+        return super().conv(j, x, w)
+
+    def delta(self, j, q, k, v, g, beta):
+        T, b = self.T, self.b
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            b[name][:T].copy_(t)
+        self.between(j)
+        return b["o"][:T]
+
+    def attend(self, a, q, k, v, scale):
+        self.b["K"][a, : self.T].copy_(k)
+        self.b["V"][a, : self.T].copy_(v)
+        return super().attend(a, q, k, v, scale)
+
+
+class PlantGraphs:
+    """A lone row that plants, on CUDA: its forward (zero-padded to T tokens, like the plain path's single-row graphs)
+    captured as G + 1 CUDA graphs, cut at each GDN layer's delta rule, which runs eagerly between the replays,
+    split at the row's own checkpoint positions (PlantMixer.delta over the stage buffers). Graphs are keyed by
+    (T, slot bucket, checkpoint bucket) only: the positions are data (the conv-tail gather index, the eager
+    split), so one set of graphs serves every state of that padded length. The stage buffers are shared by all
+    keys (sized for max_tokens). A shape that fails to capture is remembered; its rows run packed instead.
+    Experimental: not the default (PlainPath(plant_graphs=True)); bench/gpu_plant.py times it."""
+
+    def __init__(self, model, kernels, pool, max_tokens: int, stats: dict, failures: list[str]):
+        self.model, self.kernels, self.pool, self.max_tokens = model, kernels, pool, max_tokens
+        self.stats, self.failures = stats, failures
+        self.graphs: dict[tuple[int, int, int], _Pieces | None] = {}
+        self._bufs: dict | None = None
+
+    def bufs(self) -> dict:
+        """The stage buffers (allocated on first use, sized for max_tokens)."""
+        if self._bufs is None:
+            cfg, dev, dt, T = self.model.cfg, self.model.device, self.model.dtype, self.max_tokens
+            G, A = len(cfg.linear_layers), len(cfg.full_layers)
+            Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                              cfg.linear_value_head_dim)
+            W1 = cfg.linear_conv_kernel_dim - 1
+            e = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
+            self._bufs = {"q": e(T, Hk, Dk), "k": e(T, Hk, Dk), "v": e(T, Hv, Dv), "g": e(T, Hv, d=torch.float32),
+                          "beta": e(T, Hv), "o": e(T, Hv, Dv), "tails": e(G, M_BUCKETS[-1] * W1, cfg.conv_dim),
+                          "K": e(A, T, cfg.num_key_value_heads, cfg.head_dim),
+                          "V": e(A, T, cfg.num_key_value_heads, cfg.head_dim)}
+        return self._bufs
+
+    def _forward(self, p: _Pieces, T: int, S: int, between) -> torch.Tensor:
+        ids, slots, nopts = torch.split(p.inp, [T, S, S])
+        dev = p.inp.device
+        cu = torch.arange(0, 2 * T, T, dtype=torch.int32, device=dev)
+        mix = _StageMixer(self.kernels, cu, T, self.bufs(), p.conv_idx, between)
+        h = self.model.body(ids, torch.arange(T, device=dev), mix)
+        return self.model.letter_probs(h.index_select(0, slots), nopts)
+
+    def _eager_delta(self, j: int, T: int, plan_mixer: "PlantMixer") -> None:
+        b = self.bufs()
+        o = plan_mixer.delta(j, b["q"][:T], b["k"][:T], b["v"][:T], b["g"][:T], b["beta"][:T])
+        b["o"][:T].copy_(o)
+
+    def _capture(self, key) -> _Pieces | None:
+        from .graphs import pack_inputs
+
+        T, S, M = key
+        W1 = self.model.cfg.linear_conv_kernel_dim - 1
+        dev = self.model.device
+        p = _Pieces(inp=pack_inputs(T, S).to(dev), conv_idx=torch.zeros(M * W1, dtype=torch.long, device=dev))
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            warm = self._plan_mixer(T, [T])
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(2):  # compiling and autotuning happen here, never inside a capture
+                    self._forward(p, T, S, lambda j: self._eager_delta(j, T, warm))
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            state = {"g": torch.cuda.CUDAGraph()}
+
+            def switch(j):
+                state["g"].capture_end()
+                p.graphs.append(state["g"])
+                state["g"] = torch.cuda.CUDAGraph()
+                state["g"].capture_begin(pool=self.pool)
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():
+                state["g"].capture_begin(pool=self.pool)
+                try:
+                    p.out = self._forward(p, T, S, switch)
+                finally:
+                    state["g"].capture_end()
+                p.graphs.append(state["g"])
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            return p
+        except Exception as e:  # noqa: BLE001 - rows of this shape run packed
+            torch.cuda.synchronize()
+            self.failures.append(f"plant {key}: {type(e).__name__}: {str(e)[:200]}")
+            self.stats["capture_failed"] += 1
+            return None
+        finally:
+            self.stats["captures"] += 1
+            self.stats["capture_s"] += time.perf_counter() - t0
+
+    def _plan_mixer(self, T: int, plan: list[int]) -> PlantMixer:
+        """A PlantMixer over the one padded sequence [0, T), used only for its split delta rule."""
+        cfg = self.model.cfg
+        cu = torch.tensor([0, T], dtype=torch.int32, device=self.model.device)
+        return PlantMixer(self.kernels, cu, [T], [plan], len(cfg.linear_layers), len(cfg.full_layers))
+
+    def key(self, n: int, n_slots: int, n_ckpts: int, bucket: int, slot_buckets) -> tuple[int, int, int] | None:
+        T = -(-n // bucket) * bucket
+        S = next((b for b in slot_buckets if n_slots <= b), None)
+        M = next((b for b in M_BUCKETS if n_ckpts <= b), None)
+        if T > self.max_tokens or S is None or M is None:
+            return None
+        return T, S, M
+
+    def run(self, key, ids, slots, nopts, plan: list[int], eager: bool = False):
+        """-> (probs per slot, Planted), or None when the shape has no graph. eager: run the same pieces without
+        graphs (the CPU tests' form of this path)."""
+        from .graphs import fill_inputs
+
+        T, S, M = key
+        cfg = self.model.cfg
+        W1 = cfg.linear_conv_kernel_dim - 1
+        if plan[0] < W1:
+            return None  # the tail gather assumes W - 1 inputs before every position (align >= W - 1)
+        if eager:
+            p = _Pieces(inp=torch.empty(T + 2 * S, dtype=torch.long, device=self.model.device),
+                        conv_idx=torch.zeros(M * W1, dtype=torch.long, device=self.model.device))
+        else:
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(key)
+            p = self.graphs[key]
+            if p is None:
+                return None
+        host = torch.empty(T + 2 * S, dtype=torch.long)
+        fill_inputs(host.numpy(), T, S, ids, slots, nopts)
+        idx = torch.zeros(M * W1, dtype=torch.long)
+        idx[: len(plan) * W1] = torch.tensor([c - W1 + r for c in plan for r in range(W1)])
+        p.inp.copy_(host)
+        p.conv_idx.copy_(idx)
+        pm = self._plan_mixer(T, plan)
+        if eager:
+            out = self._forward(p, T, S, lambda j: self._eager_delta(j, T, pm))
+        else:
+            for j, g in enumerate(p.graphs[:-1]):
+                g.replay()
+                self._eager_delta(j, T, pm)
+            p.graphs[-1].replay()
+            out = p.out
+        b = self.bufs()
+        pl = pm.planted[0]
+        pl.conv = [b["tails"][:, i * W1 : (i + 1) * W1].clone() for i in range(len(plan))]
+        pl.K, pl.V = b["K"][:, : plan[-1]].clone(), b["V"][:, : plan[-1]].clone()
+        probs = out[: len(slots)].float().cpu()
+        return [probs[k, : nopts[k]].tolist() for k in range(len(slots))], pl
