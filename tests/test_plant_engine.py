@@ -63,7 +63,7 @@ def toks(n: int, rng) -> list[int]:
 
 
 row_ops = st.fixed_dictionaries({
-    "op": st.sampled_from(["new", "same", "same", "grow", "middle"]),
+    "op": st.sampled_from(["new", "same", "same", "grow", "middle", "repeat"]),
     "of": st.integers(0, 50),  # which earlier state
     "new_len": st.integers(30, 700),
     "append": st.integers(1, 200),
@@ -83,10 +83,15 @@ def test_random_batches_plant_and_answer_right(seed, mb, pad, batches):
     rng = np.random.default_rng(seed)
     states: list[list[int]] = []
     half = PlantWhenItFits().max_share * eng.cache.index.budget_bytes
+    asked_rows: list[dict] = []
     for ops, waiting in batches:
         rows = []
         for op in ops:
-            kind = op["op"] if states else "new"
+            if op["op"] == "repeat" and asked_rows:  # an exact repeat, in this batch or an earlier one
+                rows.append(asked_rows[op["of"] % len(asked_rows)])
+                event("repeat")
+                continue
+            kind = op["op"] if states and op["op"] != "repeat" else "new"
             base = states[op["of"] % len(states)] if states else []
             if kind == "new":
                 s = toks(op["new_len"], rng)
@@ -102,6 +107,7 @@ def test_random_batches_plant_and_answer_right(seed, mb, pad, batches):
             n = len(ids)
             slots = [n - 2, n - 1] if op["two_slots"] and op["qlen"] >= 2 else [n - 1]
             rows.append({"ids": ids, "state_len": len(s), "slots": slots, "nopts": [op["nopts"]] * len(slots)})
+            asked_rows.append(rows[-1])
             event(kind)
         asked_before = len(eng.cold_ok.asked)
         res = eng.answer(rows, waiting_rows=waiting)
