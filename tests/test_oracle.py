@@ -8,8 +8,9 @@ nopts letters:
 1. the plain packed path (several rows of different lengths in one cu_seqlens forward);
 2. the chunked continuation from a reset state, chunks of their real lengths (pad=False);
 3. the same with chunk lengths bucketed and padding masked (pad=True), chunk boundaries off multiples of 64.
-Also: rows continuing from checkpoints a packed forward planted (statecache.plant). A conditional checkpoint whose two tie_word_embeddings flags disagree is read as transformers reads it (by the
-top-level one), and the delta rule itself against transformers' chunked and recurrent torch implementations (1e-5).
+Also: rows continuing from checkpoints a packed forward planted (statecache.plant); a conditional checkpoint whose
+two tie_word_embeddings flags disagree is read as transformers reads it (by the top-level one); and the delta rule
+itself against transformers' chunked and recurrent torch implementations (1e-5).
 """
 
 from __future__ import annotations
