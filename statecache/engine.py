@@ -247,6 +247,17 @@ class Engine:
             for k, i in enumerate(idx):
                 results[i] = res if k == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
 
+    def plant_with_graphs(self, on: bool = True) -> bool:
+        """A lone new state's planting forward as pieces of CUDA graphs (statecache.plant.PlantGraphs) instead of
+        eagerly packed: experimental, off by default until bench/gpu_plant.py has checked it on the GPU. Returns
+        whether it is on (never without CUDA graphs)."""
+        from .plant import PlantGraphs
+
+        p = self.plain
+        p.planter = (PlantGraphs(self.model, self.kernels, p.pool, p.max_graph_tokens, p.stats, p.failures)
+                     if on and p.use_graphs else None)
+        return p.planter is not None
+
     def _memo(self, key) -> dict | None:
         hit = self.memo.get(key)
         if hit is None:
