@@ -5,7 +5,9 @@ keeps, for each sequence given checkpoint positions (`plans`), the model state a
 - GDN recurrent state S, float32 and exact: the delta rule of the batch runs as successive calls split at the
   checkpoint positions, call k packing segment k of every sequence that has one (cu_seqlens), each starting from
   the previous call's final state of that sequence (`initial_state`), with `output_final_state`. Only the delta
-  rule is split; the projections, conv, attention and MLP run once over all tokens.
+  rule is split; the projections, conv, attention and MLP run once over all tokens. A call with one sequence takes
+  its segment as a slice (no gather), and one of at most 64 tokens goes through `kernels.delta_into` (on CUDA the
+  one-chunk Triton kernel) instead of a chunked call.
 - conv tails: the last W - 1 conv inputs before each position (zeros before the sequence start), gathered from the
   conv's input;
 - attention K/V of [0, p) (p: the sequence's last checkpoint position), copied out of the keys and values the
@@ -14,11 +16,15 @@ Each checkpoint's tensors are allocated on their own (no views into a shared buf
 and eviction free what they say. The shapes match statecache.mixers.ChunkState: conv [G, W - 1, C] (model dtype),
 S [G, Hv, Dk, Dv] float32, K, V [A, p, Hkv, D].
 
+`PlantGraphs` runs a lone planting row as pieces of CUDA graphs cut at the delta rules (experimental, off by
+default: statecache.engine.Engine.plant_with_graphs), the delta rules eagerly in between, split as above.
+
 Knows nothing of the cache, its index or its policy: statecache.plain runs it, statecache.engine plants the result.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +91,7 @@ class PlantMixer(PackedMixer):
         self.planted: list[Planted | None] = [None if pl is None else Planted(pl) for pl in self.plans]
         self.calls = self._split(dev)
         self.short_max = 64  # segments of one sequence up to this many tokens take kernels.delta_into
+
     def _split(self, dev) -> list[_Call]:
         """The delta-rule calls: sequence b's segments are [0, c1), [c1, c2), ..., [cm, n_b) (the last dropped when
         empty); call k packs segment k of every sequence that has one."""
@@ -108,7 +115,8 @@ class PlantMixer(PackedMixer):
             if prev_members is not None and members != prev_members:
                 prev = torch.tensor([prev_members.index(b) for b in members], dtype=torch.long, device=dev)
             one = len(members) == 1
-            span = (self.starts[members[0]] + bounds[members[0]][k], self.starts[members[0]] + bounds[members[0]][k + 1])
+            b0 = members[0]
+            span = (self.starts[b0] + bounds[b0][k], self.starts[b0] + bounds[b0][k + 1])
             calls.append(_Call(idx=torch.cat(pieces).to(dev),
                                cu=None if one else torch.tensor(cu, dtype=torch.int32, device=dev),
                                prev=prev, saves=saves, span=span if one else None))
@@ -123,7 +131,8 @@ class PlantMixer(PackedMixer):
             if pl is None:
                 continue
             if j == 0:
-                pl.conv = [torch.zeros(self.n_gdn, W1, x.shape[-1], dtype=x.dtype, device=x.device) for _ in pl.positions]
+                pl.conv = [torch.zeros(self.n_gdn, W1, x.shape[-1], dtype=x.dtype, device=x.device)
+                           for _ in pl.positions]
             s = self.starts[b]
             for c, dst in zip(pl.positions, pl.conv):
                 m = min(W1, c)  # inputs before the sequence start stay zero (the empty state's)
@@ -182,7 +191,7 @@ class PlantMixer(PackedMixer):
         return super().attend(a, q, k, v, scale)
 
 
-# ---- a lone planting row as pieces of CUDA graphs ---------------------------------------------------------------------
+# ---- a lone planting row as pieces of CUDA graphs --------------------------------------------------------------------
 
 M_BUCKETS = (4, 8, 16, 32, 64, 128)  # checkpoints a lone planting row's graph has room for
 
@@ -272,8 +281,6 @@ class PlantGraphs:
         W1 = self.model.cfg.linear_conv_kernel_dim - 1
         dev = self.model.device
         p = _Pieces(inp=pack_inputs(T, S).to(dev), conv_idx=torch.zeros(M * W1, dtype=torch.long, device=dev))
-        import time
-
         t0 = time.perf_counter()
         try:
             warm = self._plan_mixer(T, [T])

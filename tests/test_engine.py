@@ -1,6 +1,6 @@
 """The engine on the built-in tiny model (CPU, float32): memo, duplicates, grouping by state, planting from the
-packed forward under any backlog, the cold_ok policy, bad rows, text rows, statistics; and the `statecache score` command. Every answer is checked against the plain
-forward of the same row within 1e-4.
+packed forward under any backlog, the cold_ok policy, bad rows, text rows, statistics; and the `statecache score`
+command. Every answer is checked against the plain forward of the same row within 1e-4.
 """
 
 from __future__ import annotations

@@ -305,7 +305,8 @@ def test_rows_continue_from_packed_planted_states_match_transformers(case):
     runner = ChunkRunner(case.model, TorchKernels(), max_pos=512, span_step=64, pad=False)
     cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128, tail=16, align=64))
     a, b = random_ids(200, 31, vocab), random_ids(330, 32, vocab)
-    first = [(a + random_ids(9, 33, vocab), 200), (random_ids(50, 34, vocab), None), (b + random_ids(5, 35, vocab), 330)]
+    first = [(a + random_ids(9, 33, vocab), 200), (random_ids(50, 34, vocab), None),
+             (b + random_ids(5, 35, vocab), 330)]
     rows = [(ids, [len(ids) - 1], [5]) for ids, _ in first]
     outs, planted = PlainPath(case.model, TorchKernels()).run(rows, [cache.plan(s) if s else None for _, s in first])
     for (ids, slots, nopts), got, (_, s), pl in zip(rows, outs, first, planted):

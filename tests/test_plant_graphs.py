@@ -43,7 +43,8 @@ def test_pieces_equal_the_packed_planting_forward(n, state_len, stride, tail):
     assert_close(probs, reference(ids, slots, nopts))
     _, (want,) = plain_path().run([(ids, slots, nopts)], [plan])
     assert pl.positions == want.positions == plan
-    for name, a, b in [("S", pl.S, want.S), ("conv", pl.conv, want.conv), ("K", [pl.K], [want.K]), ("V", [pl.V], [want.V])]:
+    pairs = [("S", pl.S, want.S), ("conv", pl.conv, want.conv), ("K", [pl.K], [want.K]), ("V", [pl.V], [want.V])]
+    for name, a, b in pairs:
         for x, y in zip(a, b):
             assert x.shape == y.shape and x.dtype == y.dtype, name
             torch.testing.assert_close(x, y, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
