@@ -81,3 +81,22 @@ def test_a_shape_that_fails_to_capture_runs_packed(cpu_graph_mode):
         assert_close(outs[0], reference(a, [319], [4]))
         assert planted[0].positions == plan
     assert pp.stats["capture_failed"] == 1 and pp.failures and pp.planter.graphs == {(320, 4, 4): None}
+
+
+def test_one_key_serves_rows_of_other_states_and_positions():
+    """Rows of one padded length, slot and checkpoint bucket but other states and positions, one after another
+    through the same static buffers: nothing of the previous row leaks into the next."""
+    pg = planter()
+    cache = make_cache(False)
+    keys = set()
+    for k, (n, state_len) in enumerate([(330, 300), (320, 130), (300, 260), (330, 300)]):
+        ids = toks(n, 40 + k)
+        plan = cache.plan(state_len)
+        key = pg.key(n, 1, len(plan), 64, SLOT_BUCKETS)
+        keys.add(key)
+        probs, pl = pg.run(key, ids, [n - 1], [4], plan, eager=True)
+        assert_close(probs, reference(ids, [n - 1], [4]))
+        _, (want,) = plain_path().run([(ids, [n - 1], [4])], [plan])
+        for x, y in zip(pl.S + pl.conv + [pl.K, pl.V], want.S + want.conv + [want.K, want.V]):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+    assert keys == {(320, 4, 4), (384, 4, 4)}
