@@ -105,11 +105,9 @@ class Engine:
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
-    def answer(self, rows: list, waiting_rows: int = 0, **legacy) -> list[dict]:
+    def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None) -> list[dict]:
         """One result per row, in order. waiting_rows: rows queued behind this batch (for the cold_ok policy).
-        A `backed_up=` keyword from callers of the old signature is accepted and ignored."""
-        if set(legacy) - {"backed_up"}:
-            raise TypeError(f"answer() got unexpected keyword arguments {sorted(set(legacy) - {'backed_up'})}")
+        backed_up: the old signature's flag, accepted from callers not yet updated and ignored."""
         results: list[dict | None] = [None] * len(rows)
         self.counts["batches"] += 1
         todo = []  # (index, row, memo key)
