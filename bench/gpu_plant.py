@@ -159,6 +159,8 @@ def bench(args):
     # the same as pieces of CUDA graphs cut at the delta rules (PlainPath(plant_graphs=True), experimental)
     try:
         pgp = PlainPath(m16, fk, pool=runner.pool, plant_graphs=True)
+        if pgp.planter is None:
+            raise RuntimeError("no CUDA graphs here: the pieces form needs them")
         pcache = StateCache(runner, settings)
 
         def cold_pieces():
