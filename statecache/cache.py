@@ -7,15 +7,17 @@ p - `tail`, p), snapshotting after each, then the question [p, n) as the last ch
 The checkpoints one row plants form a group sharing that row's attention K/V of [0, p), stored once.
 An LRU bounded in bytes (states, conv tails and each group's K/V once) is enforced after every row.
 
-`row` returns None when the row must take the plain path instead: it is not eligible, a chunk shape cannot be
-captured, or it has nothing to reuse and `cold_ok()` says no (someone is waiting). This module knows nothing of
-Redis, text, the memo or batching: statecache.engine decides which rows come here.
+`row` returns None when the row must take the plain path instead: it is not eligible or a chunk shape cannot be
+captured. A new state can also be planted from outside: `plan` gives its checkpoint positions, a packed forward
+(statecache.plain with statecache.plant) computes them, and `plant_planted` stores them as one group, in the payload
+format `row` plants (so later rows hit them through `row`). Whether a new state is planted at all is not decided
+here (statecache.policy; statecache.engine asks it). This module knows nothing of Redis, text, the memo or
+batching: statecache.engine decides which rows come here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -52,9 +54,8 @@ class StateCache:
         if self.s.max_slots > runner.max_slots:
             raise ValueError(f"max_slots {self.s.max_slots} > the runner's {runner.max_slots}")
         self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align)
-        self.cold_ok: Callable[[], bool] | None = None  # may a row with nothing to reuse take this path now?
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
-        self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "declined": 0, "tokens_reused": 0,
+        self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "tokens_reused": 0,
                       "tokens_computed": 0, "ckpts_made": 0, "evicted": 0}
 
     # ---- what may come here ---------------------------------------------------------------------------------------
@@ -69,22 +70,32 @@ class StateCache:
             return False
         return min(slots) >= p and self.runner.shape(p, n) is not None
 
+    def plan(self, state_len: int, start: int = 0) -> list[int]:
+        """The checkpoint positions a state of state_len tokens plants, continuing from `start` (0: nothing
+        restored): the chunk ends of statecache.index.plan_chunks, as `row` runs them."""
+        return plan_chunks(start, state_len, stride=self.s.stride, tail=self.s.tail, align=self.s.align,
+                           max_chunk=self.runner.max_chunk)
+
+    def state_bytes(self, state_len: int) -> int:
+        """Bytes a new state of state_len tokens takes here once planted: per checkpoint the GDN states and conv
+        tails, and the group's attention K/V of [0, p) once."""
+        st = self.runner.st
+        p = self._down(state_len)
+        per_pos = (st.K[:, :1].numel() * st.K.element_size()) * 2
+        return len(self.plan(state_len)) * _nbytes(st.conv, st.S) + p * per_pos
+
     # ---- a row ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], plant_anyway: bool = False) -> Answer | None:
+    def row(self, ids, state_len: int, slots: list[int], nopts: list[int]) -> Answer | None:
         """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the
-        plain path. plant_anyway: skip `cold_ok` (other waiting rows share this state, so planting it pays)."""
+        plain path."""
         if not self.eligible(ids, state_len, slots):
             return None
         n, p = len(ids), self._down(state_len)
         best = self.index.lookup(ids, limit=p)
         c0 = best.pos if best is not None else 0
-        if best is None and not plant_anyway and self.cold_ok is not None and not self.cold_ok():
-            self.stats["declined"] += 1
-            return None
-        ends = plan_chunks(c0, state_len, stride=self.s.stride, tail=self.s.tail, align=self.s.align,
-                           max_chunk=self.runner.max_chunk)
+        ends = self.plan(state_len, c0)
         chunks = []  # (start, end, plant a checkpoint at end)
         s = c0
         for e in ends:
@@ -134,11 +145,28 @@ class StateCache:
             st.V[:, : c.pos].copy_(V[:, : c.pos])
         self.runner.kv_owner = (serial, c.pos)
 
-    def _plant(self, ids, p: int, snaps) -> None:
-        st = self.runner.st
-        K, V = st.K[:, :p].clone(), st.V[:, :p].clone()
+    def plant_planted(self, ids, n: int, snaps, K: torch.Tensor, V: torch.Tensor) -> None:
+        """Store what a packed forward computed for a new state: snaps (pos, conv, S) at `plan`'s positions (the
+        last is p), K, V [A, p, Hkv, D]; counted as a cold row of n tokens. Evicts down to the budget."""
+        p = snaps[-1][0]
+        if K.shape[1] != p or V.shape[1] != p:
+            raise ValueError(f"K/V of {K.shape[1]} positions for a state planted up to {p}")
+        self.stats["rows"] += 1
+        self.stats["cold"] += 1
+        self.stats["tokens_computed"] += n
+        self._plant(ids, p, snaps, (K, V))
+        self.stats["evicted"] += len(self.index.evict())
+
+    def _plant(self, ids, p: int, snaps, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """A group over ids[:p] with its checkpoints; its K/V from the runner's buffers (which then hold them) or
+        given (`kv`)."""
         self._serial += 1
-        self.runner.kv_owner = (self._serial, p)
+        if kv is None:
+            st = self.runner.st
+            K, V = st.K[:, :p].clone(), st.V[:, :p].clone()
+            self.runner.kv_owner = (self._serial, p)
+        else:
+            K, V = kv
         group = self.index.add_group(ids[:p], (K, V, self._serial), _nbytes(K, V))
         for pos, conv, S in snaps:
             self.index.add_checkpoint(group, pos, (conv, S), _nbytes(conv, S))

@@ -1,12 +1,14 @@
 """The engine: a batch of rows in, one result per row out, in order; the one object the worker's GPU thread drives.
 
 For each batch: validate (and tokenise text rows), answer exact repeats from the memo, group the rest by their
-aligned state tokens, run each group through the state cache (its first row plants checkpoints, the rows
-behind it hit them), and pack what the cache declines into plain forwards. `backed_up` (the caller's view of
-the queue) decides whether a row with nothing to reuse may take the cached path: under backlog a singleton new
-state goes plain (throughput first); a state shared by several waiting rows is planted anyway.
-A bad row gets an error result; an exception while computing fails only the rows of that group.
-Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
+aligned state tokens. A group whose state has a saved checkpoint runs through the state cache (restore, chunks).
+A group whose state is new asks the `cold_ok` policy (statecache.policy) once: if it may be planted, its first row
+runs in the batch's one packed forward (statecache.plain) together with the rows the cache cannot take, and that
+forward leaves the state's checkpoints and K/V (statecache.plant), which are planted as one group; the group's
+other rows then continue from them (hits) in the same call. A declined new state runs plain and plants nothing.
+So every forward plants, whatever the backlog. `waiting_rows` (the caller's view of the queue) only informs the
+policy. A bad row gets an error result; an exception while computing fails only the rows of that group (or of
+that packed forward). Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .loader import load_weights
 from .memo import Memo, row_key
 from .model import Qwen35
 from .plain import PlainPath
+from .policy import ColdContext, ColdPolicy, PlantWhenItFits
 from .rows import RowError, check_row, error_result
 from .runner import ChunkRunner
 
@@ -52,7 +55,7 @@ class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
-                 compile: bool | None = None, precapture: bool = False):
+                 compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -89,7 +92,8 @@ class Engine:
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
-        self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
+        self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
+        self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
 
     @classmethod
     def from_env(cls, **kw) -> "Engine":
@@ -101,10 +105,14 @@ class Engine:
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
-    def answer(self, rows: list, backed_up: bool = False) -> list[dict]:
+    def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None) -> list[dict]:
+        """One result per row, in order. waiting_rows: rows queued behind this batch (for the cold_ok policy).
+        backed_up: the old signature's flag, accepted from callers not yet updated and ignored."""
         results: list[dict | None] = [None] * len(rows)
         self.counts["batches"] += 1
         todo = []  # (index, row, memo key)
+        first: dict = {}  # memo key -> index of its first row in this batch
+        repeats = []  # (index, index of the same row's first occurrence)
         for i, raw in enumerate(rows):
             self.counts["rows"] += 1
             try:
@@ -119,19 +127,43 @@ class Engine:
             key = row_key(row["ids"], row["slots"], row["nopts"])
             if (hit := self._memo(key)) is not None:
                 results[i] = hit
+            elif key in first:  # the same row twice in one batch: computed once
+                repeats.append((i, first[key]))
             else:
+                first[key] = i
                 todo.append((i, row, key))
+        self._run(todo, len(rows), waiting_rows, results)
+        for i, j in repeats:
+            res = results[j]
+            results[i] = dict(res, path="memo", reused=0, computed=0) if "probs" in res else dict(res)
+            if "probs" in res:
+                self.counts["memo"] += 1
+        return results  # type: ignore[return-value]
+
+    def _run(self, todo, batch_rows: int, waiting_rows: int, results) -> None:
+        """Compute the distinct rows of a batch (see the module docstring for the order of the paths)."""
         groups, plain = self._groups(todo)
+        cached, planting = [], []  # groups with a saved state; groups of new states the policy lets plant
         for members in groups.values():
+            if self._has_state(members[0][1]):
+                cached.append(members)
+            elif self._plant_ok(members, batch_rows, waiting_rows):
+                planting.append(members)
+            else:
+                self.counts["declined"] += 1
+                plain += members
+        # one packed forward: the rows the cache does not take, and the first row of each new state (which plants)
+        self._plain(plain, results, [m[0] for m in planting])
+        for members in cached + [m[1:] for m in planting]:
             try:
-                plain += self._cached_group(members, backed_up, results)
+                plain_later = self._cached_group(members, results)
             except Exception as e:  # noqa: BLE001
                 log.exception("cached path failed")
+                plain_later = []
                 for i, _, _ in members:
                     if results[i] is None:
                         results[i] = self._error("internal", f"{type(e).__name__}: {e}")
-        self._plain(plain, results)
-        return results  # type: ignore[return-value]
+            self._plain(plain_later, results)
 
     def _groups(self, todo) -> tuple["OrderedDict[tuple, list]", list]:
         """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
@@ -148,16 +180,29 @@ class Engine:
             groups.setdefault(tuple(row["ids"][:p]), []).append(item)
         return groups, plain
 
-    def _cached_group(self, members, backed_up: bool, results) -> list:
+    def _has_state(self, row) -> bool:
+        """Does the cache hold a checkpoint this row's state can continue from?"""
+        p = row["state_len"] - row["state_len"] % self.cache.s.align
+        return self.cache.index.lookup(row["ids"], limit=p) is not None
+
+    def _plant_ok(self, members, batch_rows: int, waiting_rows: int) -> bool:
+        """The cold_ok policy, asked once for a new state (the group's shared state)."""
+        row = members[0][1]
+        idx = self.cache.index
+        ctx = ColdContext(state_tokens=row["state_len"] - row["state_len"] % self.cache.s.align,
+                          state_bytes=self.cache.state_bytes(row["state_len"]), budget_bytes=idx.budget_bytes,
+                          used_bytes=idx.bytes, sharing_rows=len(members), batch_rows=batch_rows,
+                          waiting_rows=max(0, int(waiting_rows or 0)))
+        return bool(self.cold_ok(ctx))
+
+    def _cached_group(self, members, results) -> list:
         """Run a group's rows through the cache; returns those it declines (for the plain path)."""
         declined = []
-        shared = len({key for _, _, key in members}) > 1  # other *different* rows wait on this state
-        self.cache.cold_ok = lambda: not backed_up
         for i, row, key in members:
             if (hit := self._memo(key)) is not None:  # the same row twice in one batch
                 results[i] = hit
                 continue
-            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], plant_anyway=shared)
+            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"])
             if ans is None:
                 declined.append((i, row, key))
                 continue
@@ -166,27 +211,50 @@ class Engine:
             results[i] = res
         return declined
 
-    def _plain(self, items, results) -> None:
+    def _plain(self, items, results, planting=()) -> None:
+        """One packed forward (statecache.plain) of `items` (the plain path: nothing planted) and of `planting`
+        (the first rows of new states: their checkpoints are planted, their path is "cold")."""
         unique: OrderedDict = OrderedDict()
+        for i, row, key in planting:
+            unique.setdefault(key, (row, [], True))[1].append(i)
         for i, row, key in items:
-            unique.setdefault(key, (row, []))[1].append(i)
+            unique.setdefault(key, (row, [], False))[1].append(i)
         if not unique:
             return
+        plans = [self.cache.plan(r["state_len"]) if plant else None for r, _, plant in unique.values()]
         try:
-            outs = self.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r, _ in unique.values()])
+            outs, planted = self.plain.run([(r["ids"], r["slots"], r["nopts"]) for r, _, _ in unique.values()], plans)
         except Exception as e:  # noqa: BLE001
             log.exception("plain path failed")
-            for _, idx in unique.values():
+            for _, idx, _ in unique.values():
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        for (key, (row, idx)), probs in zip(unique.items(), outs):
-            res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
+        for (key, (row, idx, plant)), probs, pl in zip(unique.items(), outs, planted):
+            if plant:
+                try:
+                    self.cache.plant_planted(row["ids"], len(row["ids"]), pl.snaps(), pl.K, pl.V)
+                except Exception:  # noqa: BLE001 - the answer stands; only the planting is lost
+                    log.exception("planting a packed row's checkpoints failed")
+                res = {"probs": probs, "path": "cold", "reused": 0, "computed": len(row["ids"])}
+            else:
+                res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
+                self.counts["plain"] += 1
+                self.counts["plain_tokens"] += len(row["ids"])
             self.memo.put(key, res)
-            self.counts["plain"] += 1
-            self.counts["plain_tokens"] += len(row["ids"])
             for k, i in enumerate(idx):
                 results[i] = res if k == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
+
+    def plant_with_graphs(self, on: bool = True) -> bool:
+        """A lone new state's planting forward as pieces of CUDA graphs (statecache.plant.PlantGraphs) instead of
+        eagerly packed: experimental, off by default until bench/gpu_plant.py has checked it on the GPU. Returns
+        whether it is on (never without CUDA graphs)."""
+        from .plant import PlantGraphs
+
+        p = self.plain
+        p.planter = (PlantGraphs(self.model, self.kernels, p.pool, p.max_graph_tokens, p.stats, p.failures)
+                     if on and p.use_graphs else None)
+        return p.planter is not None
 
     def _memo(self, key) -> dict | None:
         hit = self.memo.get(key)

@@ -1,12 +1,15 @@
-"""The plain path: rows with nothing to reuse, no checkpoints.
+"""The plain path: rows with nothing to reuse, run from nothing; it can leave checkpoints for the cache.
 
 Two forms:
-- packed: many rows in one variable-length forward (cu_seqlens), greedily up to `max_tokens` per forward; the
-  throughput form for a backed-up queue.
+- packed: many rows in one variable-length forward (cu_seqlens), greedily up to `max_tokens` per forward. Rows given
+  checkpoint positions (`run(rows, plans)`) run packed through statecache.plant.PlantMixer, which keeps each such
+  row's states at those positions and its attention K/V (what the cache plants); the others alongside them as usual.
 - single: one row alone, its tokens zero-padded to a multiple of `bucket` (everything is causal, so padding after
   the row changes nothing before it). On CUDA each (padded length, slot bucket) is one CUDA graph, captured on
   first use into one shared pool, so a lone uncached row pays no Python or launch overhead. A shape that fails
-  to capture is remembered and that row runs packed instead.
+  to capture is remembered and that row runs packed instead. A row that leaves checkpoints does not take this form:
+  its delta rule is split at its own positions, which are not a shape a bucketed graph key can hold; with
+  `plant_graphs` (experimental) it runs as pieces of graphs cut at the delta rules (statecache.plant.PlantGraphs).
 Knows nothing of the cache, the memo or Redis.
 """
 
@@ -18,6 +21,7 @@ import torch
 
 from .graphs import new_stats, pack_inputs, try_capture
 from .mixers import PackedMixer
+from .plant import Planted, PlantGraphs, PlantMixer
 
 SLOT_BUCKETS = (4, 16, 64)  # answer slots a single-row graph has room for
 
@@ -31,7 +35,7 @@ class _Graph:
 
 class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
-                 bucket: int = 64, max_graph_tokens: int = 8192, pool=None):
+                 bucket: int = 64, max_graph_tokens: int = 8192, pool=None, plant_graphs: bool = False):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.use_graphs = (model.device.type == "cuda") if graphs is None else graphs
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)  # single rows padded to `bucket`
@@ -40,6 +44,9 @@ class PlainPath:
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.failures: list[str] = []
+        # a lone planting row as pieces of graphs (statecache.plant.PlantGraphs; experimental, off by default)
+        self.planter = (PlantGraphs(model, kernels, self.pool, max_graph_tokens, self.stats, self.failures)
+                        if plant_graphs and self.use_graphs else None)
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices of rows packed greedily into forwards of at most max_tokens tokens (a longer row goes alone)."""
@@ -58,19 +65,37 @@ class PlainPath:
     @torch.no_grad()
     def forward(self, rows: list[tuple[list[int], list[int], list[int]]]) -> list[list[list[float]]]:
         """rows: (ids, slots, nopts) each -> per row, per slot, the option probabilities."""
+        return self.run(rows)[0]
+
+    @torch.no_grad()
+    def run(self, rows: list[tuple[list[int], list[int], list[int]]], plans: list[list[int] | None] | None = None
+            ) -> tuple[list[list[list[float]]], list[Planted | None]]:
+        """rows: (ids, slots, nopts) each; plans: per row its checkpoint positions (ascending, in (0, len(ids)]) or
+        None -> (per row, per slot, the option probabilities; per row its Planted, None where its plan was)."""
+        plans = plans if plans is not None else [None] * len(rows)
+        if len(plans) != len(rows):
+            raise ValueError(f"{len(plans)} plans for {len(rows)} rows")
         results: list = [None] * len(rows)
+        planted: list = [None] * len(rows)
         for batch in self.batches([len(r[0]) for r in rows]):
-            if len(batch) == 1 and self.pad:
+            if len(batch) == 1 and self.pad and plans[batch[0]] is None:
                 got = self._single(*rows[batch[0]])
                 if got is not None:
                     results[batch[0]] = got
                     continue
-            self._packed(rows, batch, results)
-        return results
+            if len(batch) == 1 and self.planter is not None and plans[batch[0]] is not None:
+                ids, slots, nopts = rows[batch[0]]
+                key = self.planter.key(len(ids), len(slots), len(plans[batch[0]]), self.bucket, SLOT_BUCKETS)
+                got = None if key is None else self.planter.run(key, ids, slots, nopts, plans[batch[0]])
+                if got is not None:
+                    results[batch[0]], planted[batch[0]] = got
+                    continue
+            self._packed(rows, batch, results, plans, planted)
+        return results, planted
 
     # ---- packed ---------------------------------------------------------------------------------------------------
 
-    def _packed(self, rows, batch: list[int], results: list) -> None:
+    def _packed(self, rows, batch: list[int], results: list, plans=None, planted=None) -> None:
         dev = self.model.device
         ids = torch.tensor([t for i in batch for t in rows[i][0]], dtype=torch.long)
         lens = [len(rows[i][0]) for i in batch]
@@ -81,7 +106,12 @@ class PlainPath:
         slot_idx = torch.tensor([starts[k] + s for k, i in enumerate(batch) for s in rows[i][1]], dtype=torch.long)
         nopts = torch.tensor([o for i in batch for o in rows[i][2]], dtype=torch.long)
         cu = torch.tensor(starts, dtype=torch.int32, device=dev)
-        mix = PackedMixer(self.kernels, cu, max(lens))
+        if plans is not None and any(plans[i] is not None for i in batch):
+            cfg = self.model.cfg
+            mix = PlantMixer(self.kernels, cu, lens, [plans[i] for i in batch], len(cfg.linear_layers),
+                             len(cfg.full_layers))
+        else:
+            mix = PackedMixer(self.kernels, cu, max(lens))
         h = self.model.body(ids.to(dev), pos.to(dev), mix)  # [T, H]
         probs = self.model.letter_probs(h.index_select(0, slot_idx.to(dev)), nopts.to(dev)).float().cpu()
         j = 0
@@ -89,6 +119,9 @@ class PlainPath:
             _, slots, no = rows[i]
             results[i] = [probs[j + k, : no[k]].tolist() for k in range(len(slots))]
             j += len(slots)
+        if isinstance(mix, PlantMixer):
+            for i, pl in zip(batch, mix.planted):
+                planted[i] = pl
 
     # ---- single, padded (one CUDA graph per shape) ----------------------------------------------------------------
 
