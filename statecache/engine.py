@@ -22,12 +22,14 @@ import torch
 
 from .cache import CacheSettings, StateCache
 from .kernels import kernels_for
+from .config import load_config
 from .loader import load_weights
 from .memo import Memo, row_key
 from .model import Qwen35
 from .plain import PlainPath
 from .rows import RowError, check_row, error_result
 from .runner import ChunkRunner
+from .specialists import load_specialists
 
 log = logging.getLogger("statecache.engine")
 LETTERS = list(string.ascii_uppercase)
@@ -52,7 +54,7 @@ class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
-                 compile: bool | None = None, precapture: bool = False):
+                 compile: bool | None = None, precapture: bool = False, specialists=None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -71,6 +73,9 @@ class Engine:
             raise ValueError(f"the tokenizer in {self.model_dir} lacks single tokens for the letters A-Z")
         self.letter_ids: list[int] = list(ids)
         t0 = time.perf_counter()
+        # specialists (a folder, statecache.specialists.folder): checked in full before the model's weights load
+        self.specialists = None if specialists is None else load_specialists(
+            specialists, load_config(self.model_dir), self.device, self.dtype)
         weights = load_weights(self.model_dir, self.letter_ids, self.device, self.dtype)
         self.load_s = time.perf_counter() - t0
         self.model = Qwen35(weights)
@@ -83,10 +88,12 @@ class Engine:
         settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb
-        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
+        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks,
+                                  specialists=self.specialists)
         self.cache = StateCache(self.runner, settings)
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
-        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
+        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
+                               specialists=self.specialists)
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
@@ -162,6 +169,8 @@ class Engine:
                 declined.append((i, row, key))
                 continue
             res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+            if ans.route is not None:
+                res["route"] = self.specialists.names[ans.route]
             self.memo.put(key, res)
             results[i] = res
         return declined
@@ -173,15 +182,17 @@ class Engine:
         if not unique:
             return
         try:
-            outs = self.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r, _ in unique.values()])
+            outs = self.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r, _ in unique.values()])
         except Exception as e:  # noqa: BLE001
             log.exception("plain path failed")
             for _, idx in unique.values():
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        for (key, (row, idx)), probs in zip(unique.items(), outs):
+        for (key, (row, idx)), (probs, route) in zip(unique.items(), outs):
             res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
+            if route is not None:
+                res["route"] = self.specialists.names[route]
             self.memo.put(key, res)
             self.counts["plain"] += 1
             self.counts["plain_tokens"] += len(row["ids"])
@@ -202,7 +213,8 @@ class Engine:
 
     def stats(self) -> dict:
         c = self.cache.info()
-        return {**{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
+        spec = {} if self.specialists is None else {"mispredict": c["mispredict"], "specialists": self.specialists.info()}
+        return {**spec, **{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
                 "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values()))}
