@@ -245,5 +245,5 @@ def load_specialists(folder, cfg: TextConfig, device="cpu", dtype=torch.float32)
         _, mods, fin = site_modules(cfg, i)[site]
         sites[key] = Site.stack(fin, mods, [a.get(key, {}) for a in adapters])
     dev = torch.device(device)
-    lora = StackedLora(len(names), {k: s.to(dev, dtype) for k, s in sites.items()})
+    lora = StackedLora(len(names), sites, dev, dtype)
     return Specialists(str(d), names, Router(layer, eps, w.to(dev), b.to(dev)), lora)
