@@ -405,3 +405,27 @@ def test_engine_refuses_a_bad_folder_at_start_up(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert main(["score", "--device", "cpu", "--specialists", str(d)]) == 2
     assert "no router.json" in capsys.readouterr().err
+
+
+def test_token_routes_equal_fixed_routes_per_row():
+    """Two rows of different routes packed in one forward with a per-token route index (batched hits' form) equal
+    each row run alone with its route fixed."""
+    from statecache.mixers import PackedMixer
+    from statecache.specialists import FixedRoute, TokenRoutes
+
+    _, _, model, spec = world()
+    k = TorchKernels()
+    a, b = toks(50, 1), toks(37, 2)
+    alone = []
+    for ids, r in ((a, 1), (b, 3)):
+        n = len(ids)
+        mix = PackedMixer(k, torch.tensor([0, n], dtype=torch.int32), n)
+        alone.append(model.body(torch.tensor(ids), torch.arange(n), mix, FixedRoute(spec.lora, spec.router, torch.tensor([r]))))
+    n = len(a) + len(b)
+    mix = PackedMixer(k, torch.tensor([0, len(a), n], dtype=torch.int32), len(a))
+    tok = torch.tensor([1] * len(a) + [3] * len(b))
+    both = model.body(torch.tensor(a + b), torch.cat([torch.arange(len(a)), torch.arange(len(b))]), mix,
+                      TokenRoutes(spec.lora, spec.router, tok))
+    assert (both - torch.cat(alone)).abs().max() <= 1e-4
+    trunk = model.body(torch.tensor(a), torch.arange(len(a)), PackedMixer(k, torch.tensor([0, len(a)], dtype=torch.int32), len(a)))
+    assert (trunk - alone[0]).abs().max() > 1e-3  # the adapter does something

@@ -10,7 +10,7 @@ The cached path's use of routes (guess, rerun on a misprediction, route-aware ch
 """
 
 from .folder import Router, Specialists, SpecialistsError, load_specialists, site_modules
-from .lora import FixedRoute, RoutedRows, StackedLora
+from .lora import FixedRoute, RoutedRows, StackedLora, TokenRoutes
 
-__all__ = ["FixedRoute", "RoutedRows", "Router", "Specialists", "SpecialistsError", "StackedLora", "load_specialists",
-           "site_modules"]
+__all__ = ["FixedRoute", "RoutedRows", "Router", "Specialists", "SpecialistsError", "StackedLora", "TokenRoutes",
+           "load_specialists", "site_modules"]

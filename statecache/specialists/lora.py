@@ -8,9 +8,11 @@ output rows and rank columns, scaling folded in); route 0 (the trunk) is all zer
     y = x @ W.T + (x @ A_k.T) @ B_k.T,
 
 which is peft's ``base(x) + lora_B(lora_A(x)) * scaling`` summed over that route's modules. Every adapter stays
-resident and the route is a device tensor read inside the forward, so one CUDA graph serves every route, and a
-packed forward may mix routes (masked per token). A binding (`FixedRoute`, `RoutedRows`) is made per forward; the model
-calls its `feature` with the hidden state entering the router's layer and its `apply` at each projection.
+resident and the route is a device tensor read inside the forward, so one CUDA graph serves every route. A binding
+is made per forward: `FixedRoute` (one route for every token: the chunk runner), `TokenRoutes` (a given route per
+token: batched hits of rows with different routes), `RoutedRows` (packed rows that pick their own route: the plain
+path); the model calls its `feature` with the hidden state entering the router's layer and its `apply` at each
+projection.
 Knows nothing of files (statecache.specialists.folder), checkpoints or rows.
 """
 
@@ -109,30 +111,27 @@ class FixedRoute:
         self.f = self.router.features(h)
 
 
-class RoutedRows:
-    """Packed rows that pick their own route inside the forward: seq [T] (long) gives each token's row, real [T]
-    (bool, or None when every token is real) which tokens count, n_rows the number of rows. At the router's layer the
-    row's mean feature gives its route (`routes` [n_rows]); each site then adds, for every adapter route, its LoRA
-    term masked to that route's tokens (mixed routes in one forward)."""
+class TokenRoutes:
+    """Each token runs with its own route: route_tok [T] (long, on the device), e.g. batched hits of rows with
+    different routes (a per-sequence route expanded to its tokens). Each site adds, for every adapter route, its
+    LoRA term masked to that route's tokens. `feature` keeps the tokens' router features f [T, H] (float32)."""
 
-    def __init__(self, lora: StackedLora, router, seq: torch.Tensor, real: torch.Tensor | None, n_rows: int):
+    def __init__(self, lora: StackedLora, router, route_tok: torch.Tensor | None = None):
         self.lora, self.router, self.router_layer = lora, router, router.layer
-        self.seq, self.real, self.n_rows = seq, real, n_rows
-        self.routes: torch.Tensor | None = None
+        self.f: torch.Tensor | None = None
         self.masks: list[torch.Tensor] = []
         R = lora.n_routes
         self.sites = {key: (lora.A_all[:, a0 : a0 + rb * fin].view(R, rb, fin), lora.B_all[:, b0 : b0 + out * rb].view(R, out, rb))
                       for key, (a0, rb, fin, b0, out) in lora.layout.items()}
+        if route_tok is not None:
+            self.set_routes(route_tok)
+
+    def set_routes(self, route_tok: torch.Tensor) -> None:
+        dtype = self.lora.A_all.dtype
+        self.masks = [(route_tok == r).to(dtype)[:, None] for r in range(1, self.lora.n_routes)]
 
     def feature(self, h: torch.Tensor) -> None:
-        f = self.router.features(h)  # [T, H]
-        w = torch.ones_like(self.seq, dtype=torch.float32) if self.real is None else self.real.float()
-        sums = torch.zeros(self.n_rows, f.shape[1], device=f.device).index_add_(0, self.seq, f * w[:, None])
-        counts = torch.zeros(self.n_rows, device=f.device).index_add_(0, self.seq, w)
-        self.routes = self.router.logits(sums / counts.clamp_min(1)[:, None]).argmax(-1)  # [n_rows]
-        tok = self.routes.index_select(0, self.seq)
-        dtype = self.lora.A_all.dtype
-        self.masks = [(tok == r).to(dtype)[:, None] for r in range(1, self.lora.n_routes)]
+        self.f = self.router.features(h)
 
     def apply(self, i: int, site: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         e = self.sites.get((i, site))
@@ -142,3 +141,23 @@ class RoutedRows:
         for r, m in enumerate(self.masks, 1):
             y = torch.addmm(y, (x @ A[r].T) * m, B[r].T)
         return y
+
+
+class RoutedRows(TokenRoutes):
+    """Packed rows that pick their own route inside the forward: seq [T] (long) gives each token's row, real [T]
+    (bool, or None when every token is real) which tokens count, n_rows the number of rows. At the router's layer the
+    row's mean feature gives its route (`routes` [n_rows]) and its tokens run the layers after with it (mixed routes
+    in one forward)."""
+
+    def __init__(self, lora: StackedLora, router, seq: torch.Tensor, real: torch.Tensor | None, n_rows: int):
+        super().__init__(lora, router)
+        self.seq, self.real, self.n_rows = seq, real, n_rows
+        self.routes: torch.Tensor | None = None
+
+    def feature(self, h: torch.Tensor) -> None:
+        f = self.router.features(h)  # [T, H]
+        w = torch.ones_like(self.seq, dtype=torch.float32) if self.real is None else self.real.float()
+        sums = torch.zeros(self.n_rows, f.shape[1], device=f.device).index_add_(0, self.seq, f * w[:, None])
+        counts = torch.zeros(self.n_rows, device=f.device).index_add_(0, self.seq, w)
+        self.routes = self.router.logits(sums / counts.clamp_min(1)[:, None]).argmax(-1)  # [n_rows]
+        self.set_routes(self.routes.index_select(0, self.seq))
