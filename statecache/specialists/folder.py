@@ -153,8 +153,11 @@ def _read_router(d: Path, cfg: TextConfig) -> tuple[list[str], int, float, torch
 
 def _read_adapter(d: Path, name: str, cfg: TextConfig, router_layer: int) -> dict[tuple[int, str], dict[str, tuple]]:
     """One route's adapter -> {(layer, site): {module: (A [r, in] f32, B [out, r] f32, scaling)}}, all checked."""
-    from peft import LoraConfig
-    from peft.utils.other import get_pattern_key
+    try:
+        from peft import LoraConfig
+        from peft.utils.other import get_pattern_key
+    except ImportError as e:
+        raise _err(d, f"reading LoRA adapters needs peft (pip install 'statecache[specialists]'): {e}") from None
 
     ad = d / name
     if not ad.is_dir():
