@@ -14,7 +14,8 @@ Measured (wall milliseconds per row, synchronised, median; and the hit's chunk g
 - a misprediction whose route has a checkpoint at the state end (two hits) and one whose route has none (a hit,
   then the whole row again from nothing);
 - the plain path (one 4160-token row as one graph) with and without specialists (--skip-plain to leave out);
-- bf16 agreement: the specialists hit against the plain path with specialists (max |dp|).
+- bf16 agreement: the specialists hit against the plain path with specialists (max |dp|);
+- diagnostics: the LoRA terms of every site alone as one graph, and profiler tables (profile_*.txt) of both hits.
 Writes <out>/gpu_specialists.json.
 
   python3 bench/gpu_specialists.py --out $OUT                       # the device machine (H200)
@@ -84,6 +85,40 @@ def replay_ms(runner, key):
     from gpu_timing import replay_median_ms  # bench/ is on sys.path when this runs as a script
 
     return round(replay_median_ms(g.graph, 20), 3)
+
+
+def profile(out: Path, tag: str, fn) -> None:
+    """torch.profiler's kernel table of fn (one call) into out/profile_<tag>.txt, and the kernel count in R."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    ka = p.key_averages()
+    (out / f"profile_{tag}.txt").write_text(ka.table(sort_by="cuda_time_total", row_limit=40))
+    R.setdefault("profiled_kernels", {})[tag] = sum(e.count for e in ka if getattr(e, "device_type", None) is not None
+                                                    and "cuda" in str(e.device_type).lower())
+
+
+def lora_only_ms(spec: Specialists, cfg, dev, dtype, T: int) -> float | None:
+    """GPU milliseconds of the LoRA terms alone, every site of one forward on random inputs (one route gathered, as
+    a chunk does), captured as one CUDA graph."""
+    from gpu_timing import replay_median_ms
+
+    from statecache.specialists import FixedRoute
+
+    route = torch.ones(1, dtype=torch.long, device=dev)
+    xs = {key: torch.randn(T, fin, device=dev, dtype=dtype) for key, (_, _, fin, _, _) in spec.lora.layout.items()}
+    ys = {key: torch.randn(T, out, device=dev, dtype=dtype) for key, (_, _, _, _, out) in spec.lora.layout.items()}
+
+    def fn():
+        b = FixedRoute(spec.lora, spec.router, route)
+        return [b.apply(i, site, xs[(i, site)], ys[(i, site)]) for i, site in spec.lora.layout]
+    from statecache.graphs import capture
+
+    graph, _ = capture(fn, torch.cuda.graph_pool_handle())
+    return round(replay_median_ms(graph, 20), 3)
 
 
 def maxdiff(a, b):
@@ -199,6 +234,17 @@ def run(args):
     if dev.type == "cuda" and R["trunk_hit_graph_ms"]:
         R["spec_vs_trunk_graph"] = {r: round(v / R["trunk_hit_graph_ms"], 3) for r, v in R["spec_hit_graph_ms"].items() if v}
     R["spec_vs_trunk_worst"] = max(R["spec_vs_trunk"].values())
+    if dev.type == "cuda":
+        try:
+            R["lora_terms_only_graph_ms"] = lora_only_ms(spec, cfg, dev, dtype, Q)
+            log("the LoRA terms alone (every site, one graph)", R["lora_terms_only_graph_ms"], "ms")
+            if not args.skip_profile:
+                profile(Path(args.out), "trunk_hit", lambda: hit(trunk))
+                profile(Path(args.out), "spec_hit", lambda: hit(special))
+                log("kernels per hit (profiled)", R["profiled_kernels"])
+        except Exception:  # noqa: BLE001 - diagnostics only
+            R["diagnostics_error"] = traceback.format_exc()[-1500:]
+            log(R["diagnostics_error"])
     R["target_met"] = R["spec_vs_trunk_worst"] <= 1.15
     # mispredictions: the right route has a checkpoint at p (two hits) / has none (a hit, then the row from nothing)
     a, b = 1 % args.routes, 2 % args.routes
@@ -274,6 +320,7 @@ def main():
     ap.add_argument("--cache-mb", type=int, default=8192)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--skip-plain", action="store_true")
+    ap.add_argument("--skip-profile", action="store_true", help="no torch.profiler tables of the two hits")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
