@@ -6,6 +6,8 @@ the rest of the state as chunks ending at the planned checkpoint positions (ever
 p - `tail`, p), snapshotting after each, then the question [p, n) as the last chunk, which gives the answer.
 The checkpoints one row plants form a group sharing that row's attention K/V of [0, p), stored once.
 An LRU bounded in bytes (states, conv tails and each group's K/V once) is enforced after every row.
+With specialists (the runner's `spec`), a checkpoint also holds the router's feature sum over its tokens and is
+planted under the route its adapter layers ran with; `row` guesses a route and reruns a misprediction.
 
 `row` returns None when the row must take the plain path instead: it is not eligible, a chunk shape cannot be
 captured, or it has nothing to reuse and `cold_ok()` says no (someone is waiting). This module knows nothing of

@@ -5,7 +5,8 @@ aligned state tokens, run each group through the state cache (its first row plan
 behind it hit them), and pack what the cache declines into plain forwards. `backed_up` (the caller's view of
 the queue) decides whether a row with nothing to reuse may take the cached path: under backlog a singleton new
 state goes plain (throughput first); a state shared by several waiting rows is planted anyway.
-A bad row gets an error result; an exception while computing fails only the rows of that group.
+A bad row gets an error result; an exception while computing fails only the rows of that group. With a
+specialists folder (`specialists=`, checked in full before the weights load) every result names its `route`.
 Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
 """
 
