@@ -429,3 +429,13 @@ def test_token_routes_equal_fixed_routes_per_row():
     assert (both - torch.cat(alone)).abs().max() <= 1e-4
     trunk = model.body(torch.tensor(a), torch.arange(len(a)), PackedMixer(k, torch.tensor([0, len(a)], dtype=torch.int32), len(a)))
     assert (trunk - alone[0]).abs().max() > 1e-3  # the adapter does something
+
+
+def test_an_adapter_folder_that_is_no_route_is_reported(tmp_path, caplog):
+    _, _, model, _ = world()
+    d = _copy(tmp_path)
+    shutil.copytree(d / "beta", d / "delta")
+    with caplog.at_level("WARNING", logger="statecache.specialists"):
+        spec = load_specialists(d, model.cfg)
+    assert spec.names == list(ROUTES)
+    assert "['delta'] are not routes" in caplog.text

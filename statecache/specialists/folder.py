@@ -18,6 +18,7 @@ Knows nothing of the forward beyond which fused projection each module's rows la
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from .lora import Site, StackedLora
 ROUTER_JSON, ROUTER_WEIGHTS = "router.json", "router.safetensors"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
+log = logging.getLogger("statecache.specialists")
 _KEY = re.compile(r"^base_model\.model\.((?:model\.)(?:language_model\.)?layers\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight$")
 
 
@@ -242,6 +244,9 @@ def load_specialists(folder, cfg: TextConfig, device="cpu", dtype=torch.float32)
     if (d / names[0]).is_dir() and (d / names[0] / ADAPTER_CONFIG).exists():
         raise _err(d, f"route 0 ({names[0]!r}) is the trunk and must not have an adapter folder")
     adapters = [_read_adapter(d, n, cfg, layer) for n in names[1:]]
+    stray = sorted(p.name for p in d.iterdir() if (p / ADAPTER_CONFIG).is_file() and p.name not in names)
+    if stray:
+        log.warning("specialists %s: adapter folders %s are not routes in %s and are not served", d, stray, ROUTER_JSON)
     sites: dict[tuple[int, str], Site] = {}
     for key in sorted({k for a in adapters for k in a}):
         i, site = key

@@ -101,11 +101,12 @@ class FixedRoute:
         self.f: torch.Tensor | None = None
 
     def apply(self, i: int, site: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y = x @ W.T of layer i's `site` -> y plus the route's LoRA term."""
+        """y = x @ W.T of layer i's `site` (a fresh tensor the caller owns) -> y plus the route's LoRA term, added in
+        place (one GEMM accumulating into y, no copy of y)."""
         e = self.sites.get((i, site))
         if e is None:
             return y
-        return torch.addmm(y, x @ e[0].T, e[1].T)
+        return y.addmm_(x @ e[0].T, e[1].T)
 
     def feature(self, h: torch.Tensor) -> None:
         self.f = self.router.features(h)
@@ -139,7 +140,7 @@ class TokenRoutes:
             return y
         A, B = e
         for r, m in enumerate(self.masks, 1):
-            y = torch.addmm(y, (x @ A[r].T) * m, B[r].T)
+            y.addmm_((x @ A[r].T) * m, B[r].T)
         return y
 
 
