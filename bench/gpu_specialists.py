@@ -135,17 +135,25 @@ def text_config(shape: str) -> dict:
 
 def random_weights(cfgd: dict, dev, dtype, letters):
     """Random weights in the checkpoint's names and shapes: matrices N(0, 0.02), vectors N(0, 0.1) (norms are
-    zero-centred), A_log and dt_bias small; built one tensor at a time on the device."""
+    zero-centred; A_log and dt_bias too); built one tensor at a time on the device."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     hcfg = Qwen3_5TextConfig(**cfgd)
-    with torch.device("meta"):
-        meta = Qwen3_5ForCausalLM(hcfg)
+    try:
+        with torch.device("meta"):
+            meta = Qwen3_5ForCausalLM(hcfg)
+        shapes = [(name, p.shape, p.ndim) for name, p in meta.named_parameters()]
+    except Exception as e:  # noqa: BLE001 - an init that refuses the meta device: build it for real once
+        log("meta-device build failed, building on", dev, f"({type(e).__name__}: {e})")
+        with torch.device(dev):
+            real = Qwen3_5ForCausalLM(hcfg)
+        shapes = [(name, p.shape, p.ndim) for name, p in real.named_parameters()]
+        del real
     gen = torch.Generator(device=dev).manual_seed(0)
     sd = {}
-    for name, p in meta.named_parameters():
-        std = 0.02 if p.ndim >= 2 else 0.1
-        sd[name] = (torch.randn(p.shape, generator=gen, device=dev, dtype=torch.float32) * std).to(dtype)
+    for name, shape, ndim in shapes:
+        std = 0.02 if ndim >= 2 else 0.1
+        sd[name] = (torch.randn(shape, generator=gen, device=dev, dtype=torch.float32) * std).to(dtype)
     cfg = parse_config(hcfg.to_dict())
     w = weights_from_state_dict(cfg, sd, letters, dev, dtype)
     del sd
@@ -322,6 +330,8 @@ def main():
     ap.add_argument("--skip-plain", action="store_true")
     ap.add_argument("--skip-profile", action="store_true", help="no torch.profiler tables of the two hits")
     args = ap.parse_args()
+    if args.routes < 3:
+        ap.error("--routes must be at least 3 (the trunk and two adapters: the misprediction timings need both)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
