@@ -1,7 +1,8 @@
 """Runs one chunk of one row from the static state buffers: eagerly (CPU), or as one CUDA graph replay.
 
-Graphs are keyed by (bucketed chunk length, attention span) only; chunk start, real length, answer slots and
-their option counts live in device buffers read inside the graph, so one graph serves every row and position.
+Graphs are keyed by (bucketed chunk length, attention span) only; chunk start, real length, answer slots,
+their option counts and the specialists route live in device buffers read inside the graph, so one graph serves
+every row, position and route.
 All graphs share one memory pool. Capturing runs the chunk twice to warm up, which overwrites the state buffers:
 callers `ensure` every shape a row needs *before* restoring its checkpoint. A shape that fails to capture is
 remembered as failed and reported through `ensure` (the row then takes the plain path).
