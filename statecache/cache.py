@@ -6,6 +6,8 @@ the rest of the state as chunks ending at the planned checkpoint positions (ever
 p - `tail`, p), snapshotting after each, then the question [p, n) as the last chunk, which gives the answer.
 The checkpoints one row plants form a group sharing that row's attention K/V of [0, p), stored once.
 An LRU bounded in bytes (states, conv tails and each group's K/V once) is enforced after every row.
+With specialists (the runner's `spec`), a checkpoint also holds the router's feature sum over its tokens and is
+planted under the route its adapter layers ran with; `row` guesses a route and reruns a misprediction.
 
 `row` returns None when the row must take the plain path instead: it is not eligible or a chunk shape cannot be
 captured. A new state can also be planted from outside: `plan` gives its checkpoint positions, a packed forward
@@ -40,7 +42,8 @@ class Answer:
     probs: list[list[float]]
     path: str  # hit | partial | cold
     reused: int  # tokens restored from a checkpoint
-    computed: int  # tokens run
+    computed: int  # tokens run (both runs of a misprediction)
+    route: int | None = None  # the specialists route the answer was computed with (None: no specialists)
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -54,9 +57,10 @@ class StateCache:
         if self.s.max_slots > runner.max_slots:
             raise ValueError(f"max_slots {self.s.max_slots} > the runner's {runner.max_slots}")
         self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align)
+        self.last_route = 0  # specialists: the route guessed for a row with no checkpoint
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
         self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "tokens_reused": 0,
-                      "tokens_computed": 0, "ckpts_made": 0, "evicted": 0}
+                      "tokens_computed": 0, "ckpts_made": 0, "evicted": 0, "mispredict": 0}
 
     # ---- what may come here ---------------------------------------------------------------------------------------
 
@@ -89,11 +93,59 @@ class StateCache:
     @torch.no_grad()
     def row(self, ids, state_len: int, slots: list[int], nopts: list[int]) -> Answer | None:
         """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the
-        plain path."""
+        plain path.
+
+        With specialists the route is known only after the last chunk (the router averages over the whole row), so
+        the row runs with a guessed route (`guess`) from the deepest checkpoint of that route; when the router
+        disagrees (a misprediction) it runs again with the router's route from that route's deepest checkpoint, and
+        only the second run's checkpoints are planted. The layers below `split` do not depend on the route, so the
+        router's decision is the same in both runs."""
         if not self.eligible(ids, state_len, slots):
             return None
         n, p = len(ids), self._down(state_len)
+        spec = self.runner.spec
         best = self.index.lookup(ids, limit=p)
+        guess = 0
+        if spec is not None:
+            guess = self.guess(best)
+            if best is not None and best.route != guess:
+                best = self.index.lookup(ids, limit=p, route=guess)
+        first = self._run_row(ids, state_len, p, n, slots, nopts, best, guess)
+        if first is None:
+            return None
+        probs, snaps, route, c0 = first
+        computed, start, final = n - c0, best, first
+        if spec is not None and route != guess:
+            self.stats["mispredict"] += 1
+            start = self.index.lookup(ids, limit=p, route=route)
+            final = self._run_row(ids, state_len, p, n, slots, nopts, start, route)
+            if final is None:
+                return None
+            probs, snaps, _, c0 = final
+            computed += n - c0
+        if spec is not None:
+            self.last_route = route
+        path = "hit" if c0 == p else ("partial" if c0 > 0 else "cold")
+        self.stats["rows"] += 1
+        self.stats["hits" if path == "hit" else path] += 1
+        self.stats["tokens_reused"] += c0
+        self.stats["tokens_computed"] += computed
+        if start is not None:
+            self.index.touch(start)
+        if snaps:
+            self._plant(ids, p, snaps, route)
+        self.stats["evicted"] += len(self.index.evict())
+        return Answer([probs[j, : nopts[j]].tolist() for j in range(len(slots))], path, c0, computed,
+                      route if spec is not None else None)
+
+    def guess(self, best: Checkpoint | None) -> int:
+        """The route a row runs with before its router has spoken: its deepest checkpoint's, else the last row's."""
+        return best.route if best is not None else self.last_route
+
+    def _run_row(self, ids, state_len: int, p: int, n: int, slots, nopts, best: Checkpoint | None, route: int):
+        """Restore `best` and run the row with `route` -> (probabilities [slots, letters] on the host, snapshots to
+        plant, the router's route (the given one without specialists), restored position); None when a chunk
+        cannot be run (the row then takes the plain path)."""
         c0 = best.pos if best is not None else 0
         ends = self.plan(state_len, c0)
         chunks = []  # (start, end, plant a checkpoint at end)
@@ -107,24 +159,24 @@ class StateCache:
         if not self.runner.ensure([(a, b) for a, b, _ in chunks] + [(p, n)]):  # all captures before the restore
             return None
         self._restore(best)
+        spec, fsum_buf = self.runner.spec, self.runner.fsum
+        fsum = None
+        if spec is not None:  # the router's feature sum over [0, position), carried by checkpoints
+            fsum = best.payload[2].clone() if best is not None else torch.zeros_like(fsum_buf)
         snaps = []
         for a, b, plant in chunks:
-            self.runner.run(ids, a, b)
+            self.runner.run(ids, a, b, route=route)
+            if fsum is not None:
+                fsum += fsum_buf
             if plant:
-                snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone()))
-        out = self.runner.run(ids, p, n, slots, nopts)
+                snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone(),
+                              fsum.clone() if fsum is not None else None))
+        out = self.runner.run(ids, p, n, slots, nopts, route=route)
+        if fsum is not None:
+            fsum += fsum_buf
+            route = spec.router.pick(fsum, n)
         probs = self.runner.read(out, len(slots))  # waits for the GPU
-        path = "hit" if c0 == p else ("partial" if c0 > 0 else "cold")
-        self.stats["rows"] += 1
-        self.stats["hits" if path == "hit" else path] += 1
-        self.stats["tokens_reused"] += c0
-        self.stats["tokens_computed"] += n - c0
-        if best is not None:
-            self.index.touch(best)
-        if snaps:
-            self._plant(ids, p, snaps)
-        self.stats["evicted"] += len(self.index.evict())
-        return Answer([probs[j, : nopts[j]].tolist() for j in range(len(slots))], path, c0, n - c0)
+        return probs, snaps, route, c0
 
     def _restore(self, c: Checkpoint | None) -> None:
         """Load checkpoint c into the runner's static buffers (None: the empty state). The attention K/V of [0, pos)
@@ -135,7 +187,7 @@ class StateCache:
             st.reset()
             self.runner.kv_owner = None
             return
-        conv, S = c.payload
+        conv, S = c.payload[:2]
         K, V, serial = c.group.payload
         st.conv.copy_(conv)
         st.S.copy_(S)
@@ -147,19 +199,20 @@ class StateCache:
 
     def plant_planted(self, ids, n: int, snaps, K: torch.Tensor, V: torch.Tensor) -> None:
         """Store what a packed forward computed for a new state: snaps (pos, conv, S) at `plan`'s positions (the
-        last is p), K, V [A, p, Hkv, D]; counted as a cold row of n tokens. Evicts down to the budget."""
+        last is p), K, V [A, p, Hkv, D]; counted as a cold row of n tokens. Evicts down to the budget. Trunk only:
+        with specialists new states are planted by `row` (their checkpoints carry a route and a feature sum)."""
         p = snaps[-1][0]
         if K.shape[1] != p or V.shape[1] != p:
             raise ValueError(f"K/V of {K.shape[1]} positions for a state planted up to {p}")
         self.stats["rows"] += 1
         self.stats["cold"] += 1
         self.stats["tokens_computed"] += n
-        self._plant(ids, p, snaps, (K, V))
+        self._plant(ids, p, [(pos, conv, S, None) for pos, conv, S in snaps], 0, (K, V))
         self.stats["evicted"] += len(self.index.evict())
 
-    def _plant(self, ids, p: int, snaps, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """A group over ids[:p] with its checkpoints; its K/V from the runner's buffers (which then hold them) or
-        given (`kv`)."""
+    def _plant(self, ids, p: int, snaps, route: int, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """A group over ids[:p] with its checkpoints (pos, conv, S, feature sum | None), planted under `route`; its
+        K/V from the runner's buffers (which then hold them) or given (`kv`)."""
         self._serial += 1
         if kv is None:
             st = self.runner.st
@@ -168,8 +221,9 @@ class StateCache:
         else:
             K, V = kv
         group = self.index.add_group(ids[:p], (K, V, self._serial), _nbytes(K, V))
-        for pos, conv, S in snaps:
-            self.index.add_checkpoint(group, pos, (conv, S), _nbytes(conv, S))
+        for pos, conv, S, fsum in snaps:
+            parts = (conv, S) if fsum is None else (conv, S, fsum)
+            self.index.add_checkpoint(group, pos, parts, _nbytes(*parts), route=route)
             self.stats["ckpts_made"] += 1
 
     def clear(self) -> None:

@@ -8,7 +8,9 @@ forward leaves the state's checkpoints and K/V (statecache.plant), which are pla
 other rows then continue from them (hits) in the same call. A declined new state runs plain and plants nothing.
 So every forward plants, whatever the backlog. `waiting_rows` (the caller's view of the queue) only informs the
 policy. A bad row gets an error result; an exception while computing fails only the rows of that group (or of
-that packed forward). Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
+that packed forward). With a specialists folder (`specialists=`, checked in full before the weights load)
+every result names its `route`, and new states are planted through the state cache's own chunked path (their
+checkpoints carry a route and the router's feature sum), not the packed forward. Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from .cache import CacheSettings, StateCache
 from .kernels import kernels_for
+from .config import load_config
 from .loader import load_weights
 from .memo import Memo, row_key
 from .model import Qwen35
@@ -31,6 +34,7 @@ from .plain import PlainPath
 from .policy import ColdContext, ColdPolicy, PlantWhenItFits
 from .rows import RowError, check_row, error_result
 from .runner import ChunkRunner
+from .specialists import load_specialists
 
 log = logging.getLogger("statecache.engine")
 LETTERS = list(string.ascii_uppercase)
@@ -55,7 +59,8 @@ class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
-                 compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None):
+                 compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
+                 specialists=None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -74,6 +79,9 @@ class Engine:
             raise ValueError(f"the tokenizer in {self.model_dir} lacks single tokens for the letters A-Z")
         self.letter_ids: list[int] = list(ids)
         t0 = time.perf_counter()
+        # specialists (a folder, statecache.specialists.folder): checked in full before the model's weights load
+        self.specialists = None if specialists is None else load_specialists(
+            specialists, load_config(self.model_dir), self.device, self.dtype)
         weights = load_weights(self.model_dir, self.letter_ids, self.device, self.dtype)
         self.load_s = time.perf_counter() - t0
         self.model = Qwen35(weights)
@@ -86,10 +94,12 @@ class Engine:
         settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb
-        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
+        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks,
+                                  specialists=self.specialists)
         self.cache = StateCache(self.runner, settings)
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
-        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
+        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
+                               specialists=self.specialists)
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
@@ -148,7 +158,8 @@ class Engine:
             if self._has_state(members[0][1]):
                 cached.append(members)
             elif self._plant_ok(members, batch_rows, waiting_rows):
-                planting.append(members)
+                # with specialists a new state plants through the cache's chunked path (route-aware checkpoints)
+                (cached if self.specialists is not None else planting).append(members)
             else:
                 self.counts["declined"] += 1
                 plain += members
@@ -207,6 +218,8 @@ class Engine:
                 declined.append((i, row, key))
                 continue
             res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+            if ans.route is not None:
+                res["route"] = self.specialists.names[ans.route]
             self.memo.put(key, res)
             results[i] = res
         return declined
@@ -230,7 +243,7 @@ class Engine:
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        for (key, (row, idx, plant)), probs, pl in zip(unique.items(), outs, planted):
+        for (key, (row, idx, plant)), (probs, route), pl in zip(unique.items(), outs, planted):
             if plant:
                 try:
                     self.cache.plant_planted(row["ids"], len(row["ids"]), pl.snaps(), pl.K, pl.V)
@@ -241,6 +254,8 @@ class Engine:
                 res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
                 self.counts["plain"] += 1
                 self.counts["plain_tokens"] += len(row["ids"])
+            if route is not None:
+                res["route"] = self.specialists.names[route]
             self.memo.put(key, res)
             for k, i in enumerate(idx):
                 results[i] = res if k == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
@@ -270,7 +285,8 @@ class Engine:
 
     def stats(self) -> dict:
         c = self.cache.info()
-        return {**{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
+        spec = {} if self.specialists is None else {"mispredict": c["mispredict"], "specialists": self.specialists.info()}
+        return {**spec, **{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
                 "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values()))}

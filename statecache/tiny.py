@@ -5,7 +5,9 @@ nothing; only their agreement with the reference does. Made once into ``$STATECA
 ``~/.cache/statecache/tiny-v1``): built in a temporary folder beside it, then renamed into place, so a reader
 never sees half a model and two processes racing to make it both end up with one whole copy.
 
-``python -m statecache.tiny`` prints the folder.
+``tiny_specialists_dir()`` makes (the same way, once) a random specialists folder for it: three routes (the
+trunk and two PEFT LoRA adapters written by peft's own ``save_pretrained``), router at layer 2.
+``python -m statecache.tiny`` prints the model's folder; ``python -m statecache.tiny specialists`` the specialists'.
 """
 
 from __future__ import annotations
@@ -109,20 +111,39 @@ def _build(out_dir: Path) -> None:
                     eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), **SHAPE)
 
 
+def _build_specialists(out_dir: Path) -> None:
+    from .specialists.make import make_specialists
+
+    # alpha: every projection of layers 3-7; beta: a few projections of layers 4, 5 and 7, ranks and alphas varied
+    beta = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "in_proj_z", "out_proj", "gate_proj", "down_proj"],
+                layers_to_transform=[4, 5, 7], rank_pattern={"gate_proj": 3}, alpha_pattern={"down_proj": 2})
+    make_specialists(tiny_model_dir(), out_dir, routes=("trunk", "alpha", "beta"), router_layer=2,
+                     adapters={"beta": beta}, seed=SEED)
+
+
 def tiny_model_dir() -> Path:
     """The tiny model's folder, made on first use (atomically; safe when processes race)."""
+    return _made(NAME, "config.json", _build)
+
+
+def tiny_specialists_dir() -> Path:
+    """A random specialists folder for the tiny model (3 routes), made on first use like the model."""
+    return _made(NAME + "-specialists", "router.json", _build_specialists)
+
+
+def _made(name: str, marker: str, build) -> Path:
     home = statecache_home()
-    final = home / NAME
-    if (final / "config.json").is_file():
+    final = home / name
+    if (final / marker).is_file():
         return final
     home.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.", dir=home))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=home))
     try:
-        _build(tmp)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # someone else renamed theirs into place first
-            if not (final / "config.json").is_file():
+            if not (final / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -130,4 +151,6 @@ def tiny_model_dir() -> Path:
 
 
 if __name__ == "__main__":
-    print(tiny_model_dir())
+    import sys
+
+    print(tiny_specialists_dir() if sys.argv[1:] == ["specialists"] else tiny_model_dir())

@@ -269,6 +269,7 @@ def _plant_packed(cache, rows, planting):
     their checkpoints, which are planted. -> the forward's answers."""
     plans = [cache.plan(r[1]) if k in planting else None for k, r in enumerate(rows)]
     outs, planted = plain_path().run([(r[0], r[2], r[3]) for r in rows], plans)
+    outs = [probs for probs, _route in outs]
     for k, (r, pl) in enumerate(zip(rows, planted)):
         assert (pl is None) == (k not in planting)
         if pl is not None:

@@ -65,9 +65,11 @@ def test_plain_path_sends_a_lone_planting_row_to_the_planter(cpu_graph_mode, mon
     cache = make_cache(False)
     a, b = toks(320, 1), toks(200, 2)
     outs, planted = pp.run([(a, [319], [4])], [cache.plan(300)])
+    outs = [probs for probs, _route in outs]
     assert seen == [(320, 4, 4)] and planted[0].positions == [128, 192, 256]
     assert_close(outs[0], reference(a, [319], [4]))
     outs, planted = pp.run([(a, [319], [4]), (b, [199], [3])], [cache.plan(300), None])  # two rows: packed
+    outs = [probs for probs, _route in outs]
     assert len(seen) == 1 and planted[1] is None and planted[0].positions == [128, 192, 256]
     assert_close(outs[1], reference(b, [199], [3]))
 
@@ -78,6 +80,7 @@ def test_a_shape_that_fails_to_capture_runs_packed(cpu_graph_mode):
     plan = make_cache(False).plan(300)
     for _ in range(2):
         outs, planted = pp.run([(a, [319], [4])], [plan])  # no CUDA here: the capture fails, once
+        outs = [probs for probs, _route in outs]
         assert_close(outs[0], reference(a, [319], [4]))
         assert planted[0].positions == plan
     assert pp.stats["capture_failed"] == 1 and pp.failures and pp.planter.graphs == {(320, 4, 4): None}
