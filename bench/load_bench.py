@@ -407,7 +407,11 @@ def hf_phase(args, rows: list[Row], ours: list[Record]) -> dict:
     hf = hf_qwen3_5()
     cls = hf.Qwen3_5ForConditionalGeneration if checkpoint_layout(args.model) == "conditional" else hf.Qwen3_5ForCausalLM
     t0 = time.perf_counter()
-    model = cls.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    try:  # straight onto the device (needs accelerate in some versions)
+        model = cls.from_pretrained(args.model, dtype=dtype, device_map=str(device)).eval()
+    except Exception as e:  # noqa: BLE001
+        print(f"[load] from_pretrained with device_map failed ({e}); loading on the CPU first", file=sys.stderr)
+        model = cls.from_pretrained(args.model, dtype=dtype).to(device).eval()
     load_s = time.perf_counter() - t0
     tok = __import__("transformers").AutoTokenizer.from_pretrained(args.model)
     letters = tok.convert_tokens_to_ids(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
@@ -568,6 +572,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True, help="folder for results.json, results.md, plots and logs")
     ap.add_argument("--model", default=os.environ.get("STATECACHE_MODEL") or None,
                     help="checkpoint folder (default: $STATECACHE_MODEL, else the built-in tiny model)")
+    ap.add_argument("--random-shape", default=None, metavar="SHAPE",
+                    help="first write a random checkpoint of this released shape (9B, 2B, 0.8B) with "
+                         "bench/random_checkpoint.py into --model (default: a folder under --out's parent's tmp)")
     ap.add_argument("--agents", default="1,4,16,64", help="comma-separated agent counts")
     ap.add_argument("--seconds", type=float, default=30.0, help="per agents count")
     ap.add_argument("--rows", type=int, default=0, help="stop an agents count after this many answers (0: no limit)")
@@ -591,6 +598,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    checkpoint_s = None
+    if args.random_shape and args.model and (Path(args.model) / "config.json").exists():
+        print(f"[load] {args.model} has a checkpoint already; not writing a random one", file=sys.stderr)
+    elif args.random_shape:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from random_checkpoint import text_config, write_checkpoint
+
+        args.model = args.model or tempfile.mkdtemp(prefix=f"statecache-random-{args.random_shape}-")
+        t0 = time.perf_counter()
+        write_checkpoint(args.model, text_config(args.random_shape), progress=sys.stderr)
+        checkpoint_s = round(time.perf_counter() - t0, 1)
+        print(f"[load] random {args.random_shape} checkpoint in {args.model} ({checkpoint_s} s)", file=sys.stderr, flush=True)
     if args.model is None:
         from statecache.tiny import tiny_model_dir
 
@@ -602,6 +621,7 @@ def main(argv=None) -> int:
     res: dict = {"meta": {"model": args.model, "model_name": Path(args.model).name, "argv": sys.argv[1:],
                           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
                           "torch": torch.__version__, "vocab_size": vocab_size, "token_range": vocab,
+                          "random_shape": args.random_shape, "random_checkpoint_s": checkpoint_s,
                           "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}}
 
     def save():

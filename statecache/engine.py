@@ -20,6 +20,7 @@ from collections import OrderedDict
 
 import torch
 
+from .budget import DEFAULT_FRACTION, Budget, cache_budget, device_free_bytes, forward_workspace_bytes
 from .cache import CacheSettings, StateCache
 from .kernels import kernels_for
 from .loader import load_weights
@@ -52,7 +53,7 @@ class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
-                 compile: bool | None = None, precapture: bool = False):
+                 compile: bool | None = None, precapture: bool = False, cache_fraction: float | None = None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -81,6 +82,7 @@ class Engine:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         self.kernels = kernels_for(self.device, compile)
+        auto_budget = cache_mb is None and settings is None  # else the caller's figure (cache_mb, else settings.mb)
         settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb
@@ -88,14 +90,41 @@ class Engine:
         self.cache = StateCache(self.runner, settings)
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
+        self.budget = self._size_cache(settings, auto_budget, cache_fraction, max(plain_tokens, max_row_tokens))
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
 
+    def _size_cache(self, settings: CacheSettings, auto: bool, fraction: float | None, largest: int) -> Budget:
+        """The cache's bound (statecache.budget): the caller's figure, else on CUDA a fraction of the memory free now
+        (weights, static buffers and captured graphs are in place) less the largest forward's workspace, else the
+        CPU default. Logged in MiB and in 4k-token states."""
+        cfg, nbytes = self.model.cfg, torch.tensor([], dtype=self.dtype).element_size()
+        free = workspace = None
+        if auto and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free = device_free_bytes(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+            workspace = max(forward_workspace_bytes(cfg, largest, nbytes), peak)
+        budget = cache_budget(cfg, nbytes, setting_mb=None if auto else settings.mb, free_bytes=free,
+                              workspace_bytes=workspace or 0, fraction=DEFAULT_FRACTION if fraction is None else fraction,
+                              stride=settings.stride, tail=settings.tail, align=settings.align)
+        self.cache.s.mb = budget.mb
+        self.cache.index.budget_bytes = budget.mb * 2**20
+        mem = ""
+        if self.device.type == "cuda":
+            mem = (f"; torch allocated {torch.cuda.memory_allocated(self.device) / 2**20:.0f} MiB, reserved "
+                   f"{torch.cuda.memory_reserved(self.device) / 2**20:.0f} MiB")
+        log.info("%s%s", budget.describe(), mem)
+        return budget
+
     @classmethod
     def from_env(cls, **kw) -> "Engine":
-        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7); also
+        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7; unset: sized
+        from the device, STATECACHE_CACHE_FRACTION of its free memory, default 0.9); also
         STATECACHE_PRECAPTURE=1 (capture every chunk graph at start-up) and STATECACHE_COMPILE=0 (no torch.compile)."""
+        fraction = os.environ.get("STATECACHE_CACHE_FRACTION")
+        kw.setdefault("cache_fraction", float(fraction) if fraction else None)
         return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
                    os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None),
                    precapture=os.environ.get("STATECACHE_PRECAPTURE", "0") == "1", **kw)
