@@ -22,6 +22,7 @@ import torch
 
 from .budget import DEFAULT_FRACTION, Budget, cache_budget, device_free_bytes, forward_workspace_bytes
 from .cache import CacheSettings, StateCache
+from .compile_cache import use_persistent_caches
 from .kernels import kernels_for
 from .loader import load_weights
 from .memo import Memo, row_key
@@ -60,6 +61,8 @@ class Engine:
             model_dir = tiny_model_dir()
         self.model_dir = str(model_dir)
         self.device = torch.device(device or default_device())
+        if self.device.type == "cuda":
+            use_persistent_caches()  # before anything compiles or autotunes
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -89,6 +92,10 @@ class Engine:
         self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
         self.cache = StateCache(self.runner, settings)
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
+        if self.precapture_info is not None:
+            info = self.precapture_info
+            log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
+                     f"; failed: {info['failed']}" if info["failed"] else "")
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
         self.budget = self._size_cache(settings, auto_budget, cache_fraction, max(plain_tokens, max_row_tokens))
         self.memo = Memo(memo_entries)
@@ -122,12 +129,13 @@ class Engine:
     def from_env(cls, **kw) -> "Engine":
         """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7; unset: sized
         from the device, STATECACHE_CACHE_FRACTION of its free memory, default 0.9); also
-        STATECACHE_PRECAPTURE=1 (capture every chunk graph at start-up) and STATECACHE_COMPILE=0 (no torch.compile)."""
+        STATECACHE_PRECAPTURE=0 (capture chunk graphs on first use instead of at start-up) and STATECACHE_COMPILE=0
+        (no torch.compile)."""
         fraction = os.environ.get("STATECACHE_CACHE_FRACTION")
         kw.setdefault("cache_fraction", float(fraction) if fraction else None)
         return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
                    os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None),
-                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "0") == "1", **kw)
+                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "1") != "0", **kw)
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
