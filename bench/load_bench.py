@@ -307,8 +307,8 @@ async def run_agents(client: Client, trace: AgentTrace, seconds: float, max_rows
     return records, last_done[0] - t_start
 
 
-async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int]) -> dict:
-    out: dict = {"configs": {}}
+async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: dict, save=lambda: None) -> dict:
+    out.setdefault("configs", {})
     async with await Client.connect(url, queue, timeout_s=args.job_timeout_s) as client:
         try:
             st = await client.stats(timeout_s=60)
@@ -330,6 +330,7 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int]) -> di
             s["moves"] = dict(sum((a.moves for a in trace.agents), Counter()))
             s["records"] = [[r.state_len, round(r.ms, 2), r.path or "failed"] for r in records]
             out["configs"][str(n)] = s
+            save()
             print(f"[load] {n} agents: {s['rows']} rows, {s['rows_per_s']} rows/s, paths {s['paths']}, "
                   f"p50 {s['latency']['p50_ms']} ms, hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms, "
                   f"reused {s['tokens_reused']} of unbounded {s['tokens_reused_unbounded']}, failed {s['failed']}",
@@ -518,8 +519,11 @@ def markdown(res: dict) -> str:
 
 
 def plots(res: dict, out: Path) -> list[str]:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("[load] no matplotlib here: no plots (results.json has every point)", file=sys.stderr)
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -637,7 +641,8 @@ def main(argv=None) -> int:
             try:
                 st = worker.start(args.ready_timeout_s)
                 res["startup"] = st
-                res["worker"] = asyncio.run(worker_phase(redis_server.url, queue, args, vocab))
+                res["worker"] = {}
+                asyncio.run(worker_phase(redis_server.url, queue, args, vocab, res["worker"], save))
                 eng = res["worker"].get("engine_at_start", {})
                 if "loaded_at" in eng:
                     st["weights_loaded_to_ready_s"] = round(st["ready_at"] - eng["loaded_at"], 2)
