@@ -483,6 +483,17 @@ def markdown(res: dict) -> str:
     st = res.get("startup", {})
     lines += [f"Worker start-up: {fmt(st.get('spawn_to_ready_s'))} s from process start to ready; weights loaded to "
               f"ready {fmt(st.get('weights_loaded_to_ready_s'))} s (weight load {fmt(st.get('engine_load_s'))} s).", ""]
+    eng = res.get("worker", {}).get("engine_at_start", {})
+    if isinstance(eng.get("budget"), dict):
+        b = eng["budget"]
+        lines += [f"Cache budget: {b['mb']:,} MiB, {b['states_4k']:.1f} states of 4096 tokens ({b['source']}); "
+                  f"precapture: {eng.get('precapture')}.", ""]
+    cfgs = res.get("worker", {}).get("configs", {})
+    mem = [(n, s.get("worker_stats", {}).get("engine", {}).get("device_memory_mb")) for n, s in cfgs.items()]
+    if any(m for _, m in mem):
+        lines += ["Device memory after each agents count (MiB): " + "; ".join(
+            f"{n} agents: peak {m['peak_allocated']:,.0f}, reserved {m['reserved']:,.0f}, free {m['free']:,.0f}"
+            for n, m in mem if m), ""]
     lines += ["| agents | rows/s | rows | failed | memo | hit | partial | cold | plain | p50 ms | p99 ms | hit p50 ms | "
               "hit p99 ms | reused / unbounded | reused of all tokens |",
               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -244,4 +244,15 @@ class Engine:
                 "loaded_at": self.loaded_at, "precapture": self.precapture_info, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
-                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values()))}
+                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
+                "budget": dataclasses.asdict(self.budget), **self._device_memory()}
+
+    def _device_memory(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"device_memory_mb": {"allocated": mib(torch.cuda.memory_allocated(self.device)),
+                                     "reserved": mib(torch.cuda.memory_reserved(self.device)),
+                                     "peak_allocated": mib(torch.cuda.max_memory_allocated(self.device)),
+                                     "free": mib(free), "total": mib(total)}}
