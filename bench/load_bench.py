@@ -639,9 +639,13 @@ def main(argv=None) -> int:
                           "random_shape": args.random_shape, "random_checkpoint_s": checkpoint_s,
                           "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}}
 
-    def save():
+    def save():  # after every phase: a run cut short keeps what it finished
         (out / "results.json").write_text(json.dumps(res, indent=1))
         (out / "results.md").write_text(markdown(res))
+        try:
+            res["plots"] = plots(res, out)
+        except Exception as e:  # noqa: BLE001 - a plot never costs the numbers
+            print(f"[load] plots failed: {e}", file=sys.stderr)
 
     t_all = time.perf_counter()
     if args.agents and not args.skip_worker:
@@ -679,8 +683,6 @@ def main(argv=None) -> int:
             res["transformers"] = hf_phase(args, [r for r, _ in sample], [rec for _, rec in sample])
             print(f"[load] transformers: {res['transformers']}", file=sys.stderr, flush=True)
     res["meta"]["total_s"] = round(time.perf_counter() - t_all, 1)
-    save()
-    res["plots"] = plots(res, out)
     save()
     print(markdown(res))
     return 1 if any(s["failed"] for s in res.get("worker", {}).get("configs", {}).values()) else 0
