@@ -75,3 +75,16 @@ def test_eviction_drops_the_tensors():
     dangling = [r for r in refs if r() is not None and id(r()) not in live]
     assert not dangling, f"{len(dangling)} tensors of evicted checkpoints are still referenced"
     assert eng.cache.index.bytes <= 2**20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_sizes_the_cache_from_the_device():
+    eng = Engine(None, "cuda", "bfloat16", cache_fraction=0.5)
+    b = eng.budget
+    assert b.source == "device" and b.fraction == 0.5 and b.mb > 0
+    free, _ = torch.cuda.mem_get_info()
+    assert b.mb * 2**20 <= 0.5 * (free + 2**30)  # half of what was free then (the cache is still empty)
+    assert eng.cache.index.budget_bytes == b.mb * 2**20
+    mem = eng.stats()["device_memory_mb"]
+    assert mem["total"] > mem["free"] > 0
