@@ -480,6 +480,9 @@ def dp(x) -> str:
 
 def markdown(res: dict) -> str:
     lines = [f"# Load benchmark ({res['meta']['model_name']}, {res['meta']['device']})", ""]
+    for k in ("worker_error", "score_error", "transformers_error"):
+        if k in res:
+            lines += [f"**{k.replace('_', ' ')}**: `{res[k][:500]}`", ""]
     st = res.get("startup", {})
     lines += [f"Worker start-up: {fmt(st.get('spawn_to_ready_s'))} s from process start to ready; weights loaded to "
               f"ready {fmt(st.get('weights_loaded_to_ready_s'))} s (weight load {fmt(st.get('engine_load_s'))} s).", ""]
@@ -654,7 +657,7 @@ def main(argv=None) -> int:
             worker = Worker(redis_server.url, queue, args.model, args.cache_mb, out / "worker.log")
             print("[load] starting the worker ...", file=sys.stderr, flush=True)
             try:
-                st = worker.start(args.ready_timeout_s)
+                st = worker.start(args.ready_timeout_s)  # raises (with the log's tail) when it does not come up
                 res["startup"] = st
                 res["worker"] = {}
                 asyncio.run(worker_phase(redis_server.url, queue, args, vocab, res["worker"], save))
@@ -663,28 +666,44 @@ def main(argv=None) -> int:
                     st["weights_loaded_to_ready_s"] = round(st["ready_at"] - eng["loaded_at"], 2)
                 if "load_s" in eng:
                     st["engine_load_s"] = eng["load_s"]
+            except Exception as e:  # noqa: BLE001 - the score and transformers phases still run
+                res["worker_error"] = f"{type(e).__name__}: {e}"
+                print(f"[load] worker phase failed: {res['worker_error']}", file=sys.stderr, flush=True)
             finally:
                 worker.stop()
                 save()
     if args.score_rows:
         trace = AgentTrace(4, seed=args.seed * 1000 + 999, vocab=vocab, min_state=args.min_state, max_state=args.max_state)
         rows = trace.interleaved(args.score_rows + args.score_warmup)
+        recs = [Record(r.agent, r.state_len, len(r.ids), 0.0) for r in rows]  # no answers of ours if score fails
         print(f"[load] statecache score: {len(rows)} rows one at a time ...", file=sys.stderr, flush=True)
-        res["score"], recs = score_phase(args, rows)
-        s = res["score"]
-        print(f"[load] score: mean {s['mean_ms_per_row']} ms/row, paths {s['paths']}, "
-              f"hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms", file=sys.stderr, flush=True)
+        try:
+            res["score"], recs = score_phase(args, rows)
+            s = res["score"]
+            print(f"[load] score: mean {s['mean_ms_per_row']} ms/row, paths {s['paths']}, "
+                  f"hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - the next phase still runs
+            res["score_error"] = f"{type(e).__name__}: {e}"
+            print(f"[load] score failed: {res['score_error']}", file=sys.stderr, flush=True)
         save()
         if args.hf_rows:
             timed = list(zip(rows, recs))[args.score_warmup:]
             step = max(1, len(timed) // args.hf_rows)
             sample = timed[::step][: args.hf_rows]
             print(f"[load] transformers on {len(sample)} rows ...", file=sys.stderr, flush=True)
-            res["transformers"] = hf_phase(args, [r for r, _ in sample], [rec for _, rec in sample])
-            print(f"[load] transformers: {res['transformers']}", file=sys.stderr, flush=True)
+            try:
+                res["transformers"] = hf_phase(args, [r for r, _ in sample], [rec for _, rec in sample])
+                print(f"[load] transformers: {res['transformers']}", file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001
+                res["transformers_error"] = f"{type(e).__name__}: {e}"
+                print(f"[load] transformers failed: {res['transformers_error']}", file=sys.stderr, flush=True)
     res["meta"]["total_s"] = round(time.perf_counter() - t_all, 1)
     save()
     print(markdown(res))
+    errors = [k for k in ("worker_error", "score_error", "transformers_error") if k in res]
+    if errors:
+        print("[load] phases that failed: " + "; ".join(f"{k}: {res[k][:300]}" for k in errors), file=sys.stderr)
+        return 2
     return 1 if any(s["failed"] for s in res.get("worker", {}).get("configs", {}).values()) else 0
 
 
