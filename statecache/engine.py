@@ -24,7 +24,9 @@ from collections import OrderedDict
 
 import torch
 
+from .budget import DEFAULT_FRACTION, Budget, cache_budget, device_free_bytes, forward_workspace_bytes
 from .cache import CacheSettings, StateCache
+from .compile_cache import use_persistent_caches
 from .kernels import kernels_for
 from .config import load_config
 from .loader import load_weights
@@ -60,13 +62,15 @@ class Engine:
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
-                 specialists=None):
+                 specialists=None, cache_fraction: float | None = None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
             model_dir = tiny_model_dir()
         self.model_dir = str(model_dir)
         self.device = torch.device(device or default_device())
+        if self.device.type == "cuda":
+            use_persistent_caches()  # before anything compiles or autotunes
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -84,6 +88,7 @@ class Engine:
             specialists, load_config(self.model_dir), self.device, self.dtype)
         weights = load_weights(self.model_dir, self.letter_ids, self.device, self.dtype)
         self.load_s = time.perf_counter() - t0
+        self.loaded_at = time.time()  # wall clock: start-up is measured from here (bench/load_bench.py)
         self.model = Qwen35(weights)
         if compile is None:  # fused elementwise kernels on the GPU (measured on an H200, 9B shape: bench/README.md)
             compile = self.device.type == "cuda" and os.environ.get("STATECACHE_COMPILE", "1") != "0"
@@ -91,6 +96,7 @@ class Engine:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         self.kernels = kernels_for(self.device, compile)
+        auto_budget = cache_mb is None and settings is None  # else the caller's figure (cache_mb, else settings.mb)
         settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb
@@ -98,20 +104,52 @@ class Engine:
                                   specialists=self.specialists)
         self.cache = StateCache(self.runner, settings)
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
+        if self.precapture_info is not None:
+            info = self.precapture_info
+            log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
+                     f"; failed: {info['failed']}" if info["failed"] else "")
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
                                specialists=self.specialists)
+        self.budget = self._size_cache(settings, auto_budget, cache_fraction, max(plain_tokens, max_row_tokens))
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
 
+    def _size_cache(self, settings: CacheSettings, auto: bool, fraction: float | None, largest: int) -> Budget:
+        """The cache's bound (statecache.budget): the caller's figure, else on CUDA a fraction of the memory free now
+        (weights, static buffers and captured graphs are in place) less the largest forward's workspace, else the
+        CPU default. Logged in MiB and in 4k-token states."""
+        cfg, nbytes = self.model.cfg, torch.tensor([], dtype=self.dtype).element_size()
+        free = workspace = None
+        if auto and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free = device_free_bytes(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+            workspace = max(forward_workspace_bytes(cfg, largest, nbytes), peak)
+        budget = cache_budget(cfg, nbytes, setting_mb=None if auto else settings.mb, free_bytes=free,
+                              workspace_bytes=workspace or 0, fraction=DEFAULT_FRACTION if fraction is None else fraction,
+                              stride=settings.stride, tail=settings.tail, align=settings.align)
+        self.cache.s.mb = budget.mb
+        self.cache.index.budget_bytes = budget.mb * 2**20
+        mem = ""
+        if self.device.type == "cuda":
+            mem = (f"; torch allocated {torch.cuda.memory_allocated(self.device) / 2**20:.0f} MiB, reserved "
+                   f"{torch.cuda.memory_reserved(self.device) / 2**20:.0f} MiB")
+        log.info("%s%s", budget.describe(), mem)
+        return budget
+
     @classmethod
     def from_env(cls, **kw) -> "Engine":
-        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7); also
-        STATECACHE_PRECAPTURE=1 (capture every chunk graph at start-up) and STATECACHE_COMPILE=0 (no torch.compile)."""
+        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7; unset: sized
+        from the device, STATECACHE_CACHE_FRACTION of its free memory, default 0.9); also
+        STATECACHE_PRECAPTURE=0 (capture chunk graphs on first use instead of at start-up) and STATECACHE_COMPILE=0
+        (no torch.compile)."""
+        fraction = os.environ.get("STATECACHE_CACHE_FRACTION")
+        kw.setdefault("cache_fraction", float(fraction) if fraction else None)
         return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
                    os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None),
-                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "0") == "1", **kw)
+                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "1") != "0", **kw)
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
@@ -286,7 +324,19 @@ class Engine:
     def stats(self) -> dict:
         c = self.cache.info()
         spec = {} if self.specialists is None else {"mispredict": c["mispredict"], "specialists": self.specialists.info()}
-        return {**spec, **{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
+        return {**spec, **{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "load_s": round(self.load_s, 3),
+                "loaded_at": self.loaded_at, "precapture": self.precapture_info, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
-                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values()))}
+                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
+                "budget": dataclasses.asdict(self.budget), **self._device_memory()}
+
+    def _device_memory(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"device_memory_mb": {"allocated": mib(torch.cuda.memory_allocated(self.device)),
+                                     "reserved": mib(torch.cuda.memory_reserved(self.device)),
+                                     "peak_allocated": mib(torch.cuda.max_memory_allocated(self.device)),
+                                     "free": mib(free), "total": mib(total)}}

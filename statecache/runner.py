@@ -21,7 +21,7 @@ from .graphs import Staging, new_stats, pack_inputs, try_capture
 from .mixers import ChunkMixer, ChunkState
 from .specialists.lora import FixedRoute
 
-CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # chunk lengths a graph is captured for (tokens)
+CHUNKS = (64, 128, 256, 512, 1024, 1536, 2048)  # chunk lengths a graph is captured for (bench/chunk_buckets.py)
 
 
 def bucket(n: int, sizes) -> int | None:

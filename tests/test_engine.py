@@ -332,3 +332,22 @@ def test_score_cli_answers_json_lines_in_order(monkeypatch, capsys):
     check(eng, [rows[0], rows[3]], [res[0], res[3]])
     stats = json.loads(err.strip().splitlines()[-1].removeprefix("statecache: "))
     assert stats["rows"] == 3 and stats["errors"] == 1 and stats["hits"] == 1 and stats["cold"] == 1
+
+
+def test_score_cli_precapture_flag_and_budget_line(monkeypatch, capsys):
+    from statecache import cli
+
+    seen = {}
+
+    class Spy(Engine):
+        def __init__(self, *a, **kw):
+            seen["precapture"] = kw.get("precapture")
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr("statecache.engine.Engine", Spy)  # the CLI imports Engine when it runs
+    for argv, want in ((["score", "--device", "cpu"], True), (["score", "--device", "cpu", "--no-precapture"], False)):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(row(toks(300, 41), 10, 1)) + "\n"))
+        assert cli.main(argv) == 0
+        out, err = capsys.readouterr()
+        assert seen["precapture"] is want and json.loads(out)["path"] == "cold"
+        assert "state cache budget 1024 MiB" in err and "cpu default" in err
