@@ -14,6 +14,7 @@ Redis, text, the memo or batching: statecache.engine decides which rows come her
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +22,8 @@ import torch
 
 from .index import Checkpoint, CheckpointIndex, plan_chunks
 from .runner import ChunkRunner
+
+log = logging.getLogger("statecache.cache")
 
 
 @dataclass
@@ -53,6 +56,7 @@ class StateCache:
             raise ValueError(f"max_slots {self.s.max_slots} > the runner's {runner.max_slots}")
         self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align)
         self.cold_ok: Callable[[], bool] | None = None  # may a row with nothing to reuse take this path now?
+        self.batch = None  # a statecache.batch.BatchRunner: enables rows_batched
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
         self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "declined": 0, "tokens_reused": 0,
                       "tokens_computed": 0, "ckpts_made": 0, "evicted": 0}
@@ -143,6 +147,18 @@ class StateCache:
         for pos, conv, S in snaps:
             self.index.add_checkpoint(group, pos, (conv, S), _nbytes(conv, S))
             self.stats["ckpts_made"] += 1
+
+    @torch.no_grad()
+    def rows_batched(self, rows) -> list[Answer | None]:
+        """Rows [(ids, state_len, slots, nopts)] that continue from saved states, their short chunks run together in
+        packed forwards (statecache.batch) -> one Answer per row, or None for a row left to the caller (no checkpoint
+        to continue from, remaining work longer than a batch piece, no batch runner, or it failed). Grown states
+        plant their checkpoints as `row` does; the LRU is touched and enforced once at the end."""
+        if self.batch is None or self.s.mb <= 0:
+            return [None] * len(rows)
+        from .batch import rows_batched
+
+        return rows_batched(self, self.batch, rows, log)
 
     def clear(self) -> None:
         self.index.clear()

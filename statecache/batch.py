@@ -1,0 +1,494 @@
+"""Batched continuations: the short chunks of many rows, each continuing from its own saved state, in one forward.
+
+A *piece* is one chunk [s, e) of one row, continuing from that row's state at s: its GDN states (float32) and conv
+tails, gathered into this module's batch slots (row b of a forward uses slot b), and its attention K/V of [0, s),
+which stay where the cache stores them (one tensor per group, [A, p, Hkv, D]) and are addressed per sequence: the
+eager kernels take the tensors, the Triton kernels element offsets of each group's layer relative to this module's
+chunk K/V buffer (so no group's K/V is copied per row). The pieces of a forward are packed back to back
+(cu_seqlens); rotary positions are s + i per sequence. Tokens past the last piece (a graph's padding) belong to no
+sequence: no kernel that mixes tokens reads or writes them.
+
+`BatchRunner.forward(pieces)` runs one packed forward (one CUDA graph replay per (batch-size bucket, token bucket)
+on CUDA, the same code eagerly elsewhere) and returns the answers at each piece's slots; after it, the batch slots
+hold each row's state at its piece's end and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them).
+`precapture` captures every bucket's graph at start-up.
+
+This module knows nothing of the index, eviction or which rows may come here: statecache.cache.StateCache.rows_batched
+plans the pieces, gathers, plants and scatters.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .graphs import Staging, new_stats, try_capture
+from .runner import bucket
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch-size buckets (sequences per graph)
+TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # packed-token buckets
+MAX_PIECE = 128  # the most tokens one sequence of a batch may have (statecache.conv_triton.MAX_ROWS)
+
+
+@dataclass
+class Piece:
+    """One sequence of a batched forward: chunk [s, e) of `ids`, continuing from `conv`, `S` (its state at s) and
+    K/V of [0, s) in `K`, `V` ([A, >= s, Hkv, D], contiguous); answers at `slots` (absolute, in [s, e))."""
+
+    ids: object  # list of ints or int64 array (the whole row)
+    s: int
+    e: int
+    conv: torch.Tensor  # [G, W - 1, C]
+    S: torch.Tensor  # [G, Hv, Dk, Dv] float32
+    K: torch.Tensor | None  # None when s == 0
+    V: torch.Tensor | None
+    slots: tuple = ()
+    nopts: tuple = ()
+
+
+class NotBatched(Exception):
+    """A batch shape that cannot be run (too many sequences or tokens, a piece too long, a failed capture)."""
+
+
+@dataclass
+class BatchKV:
+    """Where each sequence's cached K/V of [0, start) live: `tensors` (eager kernels: (K, V) per real sequence) and
+    `off` [A, Bb, 2] int64 (Triton kernels: element offsets of a group's K[a] / V[a] relative to the chunk buffers'
+    `ref_k[a]` / `ref_v[a]`, which the kernel is handed as the chunk's own keys and values)."""
+
+    tensors: list
+    off: torch.Tensor
+    ref_k: torch.Tensor
+    ref_v: torch.Tensor
+
+
+class BatchState:
+    """The static buffers of a batched forward: per-slot GDN states and conv tails, the chunk's K/V."""
+
+    def __init__(self, cfg, max_batch: int, max_tokens: int, device, dtype):
+        G, A = len(cfg.linear_layers), len(cfg.full_layers)
+        W = cfg.linear_conv_kernel_dim
+        self.conv = torch.zeros(G, max_batch, W - 1, cfg.conv_dim, device=device, dtype=dtype)
+        self.S = torch.zeros(G, max_batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                             cfg.linear_value_head_dim, device=device, dtype=torch.float32)
+        self.K = torch.zeros(A, max_tokens, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+        self.V = torch.zeros_like(self.K)
+
+
+class BatchMixer:
+    """The stateful parts of a forward of Bb packed sequences (Tb tokens), each continuing from its slot."""
+
+    def __init__(self, bk, st: BatchState, Bb: int, Tb: int, lmax: int, pos, cu, starts, kv: BatchKV, lens=None):
+        self.bk, self.st, self.Bb, self.Tb, self.lmax = bk, st, Bb, Tb, lmax
+        self.pos, self.cu, self.starts, self.kv, self.lens = pos, cu, starts, kv, lens
+        self.live = torch.arange(Tb, device=pos.device) < cu[-1]  # [Tb]: tokens of some sequence
+
+    def conv(self, j, x, w):
+        return self.bk.conv(x, w, self.st.conv[j, : self.Bb], self.cu, self.lmax, self.lens)
+
+    def delta(self, j, q, k, v, g, beta):
+        return self.bk.delta(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, self.lmax, self.lens)
+
+    def attend(self, a, q, k, v, scale):
+        Kc, Vc = self.st.K[a, : self.Tb], self.st.V[a, : self.Tb]
+        Kc.copy_(k)
+        Vc.copy_(v)
+        return self.bk.attend(a, q, Kc, Vc, self.cu, self.starts, self.kv, self.lmax, scale, self.lens)
+
+
+class BatchKernels:
+    """The batched token mixing over a kernels object (statecache.kernels): Triton kernels (graph-safe: every
+    per-sequence number stays on the device) when `triton` and the shapes allow, else a loop over the sequences
+    with the one-sequence kernels (host lengths `lens`; eager only)."""
+
+    def __init__(self, kernels, triton: bool | None = None):
+        self.k = kernels
+        self.triton = getattr(kernels, "short_kernels", False) if triton is None else triton
+        if self.triton:
+            from . import batch_triton
+
+            self.t = batch_triton
+
+    # each: x / q, k, v packed [T, ...]; cu [Bb + 1] long (device); lens: host lengths (eager) or None (graphs)
+    def conv(self, x, w, tails, cu, lmax, lens):
+        if self.triton and lmax <= self.t.CONV_MAX_ROWS and x.stride(1) == 1:
+            return self.t.conv_batch(x, w, tails, cu, lmax)
+        y = torch.zeros_like(x)
+        for b, (s, n) in enumerate(self._spans(lens)):
+            if n:
+                y[s : s + n] = self.k.conv_into(x[s : s + n], w, tails[b], torch.tensor(n, device=x.device))
+        return y
+
+    def delta(self, q, k, v, g, beta, S, cu, lmax, lens):
+        if self.triton and q.shape[-1] >= 16:
+            return self.t.delta_batch(q, k, v, g, beta, S, cu, lmax)
+        o = torch.zeros_like(v)
+        for b, (s, n) in enumerate(self._spans(lens)):
+            if n:
+                o[s : s + n] = self.k.delta_into(q[s : s + n], k[s : s + n], v[s : s + n], g[s : s + n],
+                                                 beta[s : s + n], S[b])
+        return o
+
+    def attend(self, a, q, k, v, cu, starts, kv: BatchKV, lmax, scale, lens):
+        if self.triton and q.dtype != torch.float64:
+            return self.t.attend_batch(q, k, v, cu, starts, kv.off[a], lmax, scale)
+        o = torch.zeros_like(q)
+        for b, (s, n) in enumerate(self._spans(lens)):
+            if not n:
+                continue
+            st = int(starts[b])
+            if st:
+                K, V = kv.tensors[b]
+                kk, vv = torch.cat([K[a, :st], k[s : s + n]]), torch.cat([V[a, :st], v[s : s + n]])
+            else:
+                kk, vv = k[s : s + n], v[s : s + n]
+            o[s : s + n] = self.k.attend_span(q[s : s + n], kk, vv, torch.tensor(st, device=q.device), scale)
+        return o
+
+    @staticmethod
+    def _spans(lens):
+        if lens is None:
+            raise NotBatched("the eager batched kernels need the host lengths (not graph-safe)")
+        s = 0
+        for n in lens:
+            yield s, n
+            s += n
+
+
+@dataclass
+class _Graph:
+    inp: torch.Tensor  # long [3 Tb + 2 Bb S + 2 Bb + 1 + 2 A Bb]: ids | pos | slots | nopts | cu | starts | kv offsets
+    ids: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor  # [Bb S] packed token index of each answer slot
+    nopts: torch.Tensor  # [Bb S]
+    cu: torch.Tensor  # [Bb + 1]
+    starts: torch.Tensor  # [Bb]
+    off: torch.Tensor  # [A, Bb, 2]
+    out: torch.Tensor | None = None  # [Bb S, n_letters]
+    graph: "torch.cuda.CUDAGraph | None" = None
+    staging: Staging | None = None
+
+
+class BatchRunner:
+    """Packed forwards of continuation pieces, from per-slot states (see the module docstring)."""
+
+    def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
+                 max_piece: int = MAX_PIECE, graphs: bool | None = None, pad: bool | None = None, pool=None,
+                 triton: bool | None = None, batches=BATCHES, tokens=TOKENS):
+        self.model, self.device = model, model.device
+        self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
+        self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)
+        self.bk = BatchKernels(kernels, triton)
+        if self.use_graphs and not self.bk.triton:
+            raise ValueError("batch graphs need the Triton batch kernels (the eager ones read host lengths)")
+        self.max_slots, self.max_piece = max_slots, max_piece
+        self.batches = tuple(b for b in batches if b <= max_batch)
+        self.max_batch = self.batches[-1]
+        top = max_tokens or self.max_batch * max_piece
+        self.tokens = tuple(t for t in tokens if t <= top) or (top,)
+        self.max_tokens = self.tokens[-1]
+        self.st = BatchState(model.cfg, self.max_batch, self.max_tokens, self.device, model.dtype)
+        self.n_attn = len(model.cfg.full_layers)
+        self.graphs: dict[tuple[int, int], _Graph | None] = {}
+        self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
+        self.stats = new_stats()
+        self.stats.update(forwards=0, sequences=0)
+        self.failures: list[str] = []
+        self._out_host: torch.Tensor | None = None
+
+    # ---- shapes ---------------------------------------------------------------------------------------------------
+
+    def shape(self, B: int, T: int) -> tuple[int, int] | None:
+        """(batch bucket, token bucket) of B sequences of T tokens in all; None when too many."""
+        if not self.pad:
+            return (B, T) if B <= self.max_batch and T <= self.max_tokens else None
+        Bb, Tb = bucket(B, self.batches), bucket(T, self.tokens)
+        return None if Bb is None or Tb is None else (Bb, Tb)
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, token bucket) a forward can take: tokens of at most max_piece per sequence."""
+        return [(B, T) for B in self.batches for T in self.tokens if T <= max(B * self.max_piece, self.tokens[0])]
+
+    # ---- the forward ----------------------------------------------------------------------------------------------
+
+    def _views(self, inp: torch.Tensor, Bb: int, Tb: int) -> _Graph:
+        S, A = self.max_slots, self.n_attn
+        ids, pos, slots, nopts, cu, starts, off = torch.split(inp, [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb])
+        return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(A, Bb, 2))
+
+    def _forward(self, g: _Graph, Bb: int, Tb: int, kv_tensors: list, lens) -> torch.Tensor:
+        lmax = min(Tb, self.max_piece)
+        kv = BatchKV(kv_tensors, g.off, self.st.K, self.st.V)
+        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens)
+        h = self.model.body(g.ids, g.pos, mix)  # [Tb, H]
+        return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [Bb S, n_letters]
+
+    def _pack(self, pieces: list[Piece], Bb: int, Tb: int) -> torch.Tensor:
+        """The host input buffer of these pieces (see _Graph.inp)."""
+        S, A = self.max_slots, self.n_attn
+        inp = torch.zeros(2 * Tb + 2 * Bb * S + 2 * Bb + 1 + 2 * A * Bb, dtype=torch.long)
+        ids, pos, slots, nopts, cu, starts, off = torch.split(inp, [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb])
+        nopts.fill_(2)
+        off = off.view(A, Bb, 2)
+        es = self.st.K.element_size()
+        kb = [self.st.K[a].data_ptr() for a in range(A)]
+        vb = [self.st.V[a].data_ptr() for a in range(A)]
+        t = 0
+        for b, pc in enumerate(pieces):
+            n = pc.e - pc.s
+            ids[t : t + n] = torch.as_tensor(pc.ids[pc.s : pc.e], dtype=torch.long)
+            pos[t : t + n] = torch.arange(pc.s, pc.e)
+            for j, (x, k) in enumerate(zip(pc.slots, pc.nopts)):
+                slots[b * S + j], nopts[b * S + j] = t + x - pc.s, k
+            starts[b] = pc.s
+            if pc.s:
+                for a in range(A):  # the group's layer a relative to the chunk K/V buffer's (same dtype, any address)
+                    off[a, b, 0] = (pc.K[a].data_ptr() - kb[a]) // es
+                    off[a, b, 1] = (pc.V[a].data_ptr() - vb[a]) // es
+            t += n
+            cu[b + 1] = t
+        cu[len(pieces) + 1 :] = t
+        return inp
+
+    def _capture(self, Bb: int, Tb: int) -> _Graph | None:
+        inp = torch.zeros(2 * Tb + 2 * Bb * self.max_slots + 2 * Bb + 1 + 2 * self.n_attn * Bb, dtype=torch.long)
+        g = self._views(inp.to(self.device), Bb, Tb)  # all sequences empty: the warm-up runs touch no slot
+        got = try_capture(lambda: self._forward(g, Bb, Tb, [], None), self.pool, self.stats, self.failures,
+                          f"batch ({Bb}, {Tb})")
+        if got is None:
+            return None
+        g.graph, g.out = got
+        g.staging = Staging(g.inp)
+        return g
+
+    def ensure(self, B: int, T: int) -> tuple[int, int]:
+        """The shape of B sequences of T tokens, its graph captured (graphs); NotBatched if there is none."""
+        key = self.shape(B, T)
+        if key is None:
+            raise NotBatched(f"{B} sequences of {T} tokens exceed the largest batch shape")
+        if self.use_graphs:
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+            if self.graphs[key] is None:
+                raise NotBatched(f"batch graph {key} failed to capture")
+        return key
+
+    def load(self, pieces: list[Piece]) -> None:
+        """Gather each piece's conv tails and GDN states into batch slot b (call after `ensure`: capture overwrites)."""
+        for b, pc in enumerate(pieces):
+            self.st.conv[:, b].copy_(pc.conv)
+            self.st.S[:, b].copy_(pc.S)
+
+    def forward(self, pieces: list[Piece]) -> torch.Tensor:
+        """One packed forward of `pieces` from the states `load` put in their slots -> probabilities
+        [len(pieces), max_slots, n_letters] on the device (rows past a piece's slots are padding)."""
+        if not pieces:
+            raise ValueError("no pieces")
+        for pc in pieces:
+            if not 0 < pc.e - pc.s <= self.max_piece or len(pc.slots) > self.max_slots:
+                raise NotBatched(f"piece [{pc.s}, {pc.e}) with {len(pc.slots)} slots does not fit a batch")
+            if pc.s and not (pc.K.is_contiguous() and pc.V.is_contiguous() and pc.K.shape[1] >= pc.s):
+                raise NotBatched("a piece's K/V must be contiguous and hold [0, s)")
+        B, T = len(pieces), sum(pc.e - pc.s for pc in pieces)
+        Bb, Tb = self.ensure(B, T)
+        inp = self._pack(pieces, Bb, Tb)
+        self.stats["forwards"] += 1
+        self.stats["sequences"] += B
+        if not self.use_graphs:
+            g = self._views(inp.to(self.device), Bb, Tb)
+            with torch.no_grad():
+                out = self._forward(g, Bb, Tb, [(pc.K, pc.V) for pc in pieces], [pc.e - pc.s for pc in pieces]
+                                    + [0] * (Bb - B))
+        else:
+            g = self.graphs[(Bb, Tb)]
+            self._send(g, inp)
+            g.graph.replay()
+            out = g.out
+        return out.view(Bb, self.max_slots, -1)[:B]
+
+    @staticmethod
+    def _send(g: _Graph, inp: torch.Tensor) -> None:
+        """inp into the graph's device input buffer through its pinned staging copy (one asynchronous copy)."""
+        st = g.staging
+        if st.sent is None:  # a CPU stand-in graph (tests)
+            st.dev.copy_(inp)
+            return
+        st.sent.synchronize()
+        st.host.copy_(inp)
+        st.dev.copy_(st.host, non_blocking=True)
+        st.sent.record()
+
+    def chunk_kv(self, pieces: list[Piece], b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of piece b's chunk K/V ([A, e - s, Hkv, D]) after a forward (valid until the next one)."""
+        t = sum(pc.e - pc.s for pc in pieces[:b])
+        n = pieces[b].e - pieces[b].s
+        return self.st.K[:, t : t + n], self.st.V[:, t : t + n]
+
+    def read(self, out: torch.Tensor) -> torch.Tensor:
+        """A forward's probabilities on the host (float32), once the GPU is done."""
+        if out.device.type != "cuda":
+            return out.float()
+        host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return host
+
+    def precapture(self, progress=sys.stderr) -> dict:
+        """Capture every (batch, tokens) graph now, printing progress; returns the count and seconds spent."""
+        t0 = time.perf_counter()
+        keys = self.keys() if self.use_graphs else []
+        for n, key in enumerate(keys, 1):
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+            if progress is not None:
+                print(f"\rbatch precapture {n}/{len(keys)} graphs ({time.perf_counter() - t0:.1f} s)", end="",
+                      file=progress, flush=True)
+        if progress is not None and keys:
+            print(file=progress)
+        return {"graphs": sum(g is not None for g in self.graphs.values()), "seconds": round(time.perf_counter() - t0, 2),
+                "failed": self.failures[:3]}
+
+
+# ---- rows of the state cache ------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Row:
+    i: int
+    ids: object
+    slots: list
+    nopts: list
+    p: int
+    best: object  # the restored Checkpoint
+    todo: list  # [(s, e, plant)] still to run; the last one is the question [p, n)
+    conv: torch.Tensor  # the state at the next piece's start
+    S: torch.Tensor
+    K: torch.Tensor
+    V: torch.Tensor
+    newK: torch.Tensor | None = None  # a planting row's K/V of [0, p) (the old group's prefix, then its chunks)
+    newV: torch.Tensor | None = None
+    snaps: list | None = None
+    probs: list | None = None
+
+
+def _plan(cache, i: int, ids, state_len: int, slots, nopts, max_piece: int) -> _Row | None:
+    """A row's pieces from its deepest checkpoint, or None (no checkpoint, a piece too long, not eligible)."""
+    if not cache.eligible(ids, state_len, slots) or len(slots) != len(nopts):
+        return None
+    s = cache.s
+    p, n = state_len - state_len % s.align, len(ids)
+    best = cache.index.lookup(ids, limit=p)
+    if best is None:
+        return None
+    from .index import plan_chunks
+
+    ends = plan_chunks(best.pos, state_len, stride=s.stride, tail=s.tail, align=s.align, max_chunk=cache.runner.max_chunk)
+    todo, a = [], best.pos
+    for e in ends:
+        todo.append((a, e, True))
+        a = e
+    todo.append((p, n, False))
+    if any(e - a > max_piece for a, e, _ in todo):
+        return None
+    conv, S = best.payload
+    K, V = best.group.payload[:2]
+    r = _Row(i, ids, list(slots), list(nopts), p, best, todo, conv, S, K, V)
+    if len(todo) > 1:  # it plants: its own K/V of [0, p), starting from the restored prefix
+        r.newK = K.new_empty((K.shape[0], p, *K.shape[2:]))
+        r.newV = V.new_empty((V.shape[0], p, *V.shape[2:]))
+        r.newK[:, : best.pos].copy_(K[:, : best.pos])
+        r.newV[:, : best.pos].copy_(V[:, : best.pos])
+        r.snaps = []
+    return r
+
+
+def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
+    """One forward of the rows' next pieces (halved on failure); returns the rows that failed."""
+    pieces = []
+    for r in rows:
+        s, e, plant = r.todo[0]
+        pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None,
+                            () if plant else tuple(r.slots), () if plant else tuple(r.nopts)))
+    try:
+        runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces))
+        runner.load(pieces)
+        out = runner.forward(pieces)
+        probs = None
+        for b, r in enumerate(rows):
+            s, e, plant = r.todo[0]
+            if plant:
+                Kc, Vc = runner.chunk_kv(pieces, b)
+                r.newK[:, s:e].copy_(Kc)
+                r.newV[:, s:e].copy_(Vc)
+                r.conv, r.S = runner.st.conv[:, b].clone(), runner.st.S[:, b].clone()
+                r.K, r.V = r.newK, r.newV
+                r.snaps.append((e, r.conv, r.S))
+            else:
+                if probs is None:
+                    probs = runner.read(out)
+                r.probs = [probs[b, j, : k].tolist() for j, k in enumerate(r.nopts)]
+            r.todo.pop(0)
+        return []
+    except Exception as ex:  # noqa: BLE001 - isolate the failing row by halving
+        if len(rows) == 1:
+            log.warning("batched row failed: %s: %s", type(ex).__name__, str(ex)[:200])
+            return rows
+        h = len(rows) // 2
+        return _step(runner, rows[:h], log) + _step(runner, rows[h:], log)
+
+
+def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
+    """statecache.cache.StateCache.rows_batched: [(ids, state_len, slots, nopts)] -> [Answer | None]; None for a row
+    that has no checkpoint, whose remaining work does not fit a batch piece, or that failed (the caller runs those
+    one at a time)."""
+    from .cache import Answer, _nbytes
+
+    out: list = [None] * len(rows)
+    live: list[_Row] = []
+    for i, row in enumerate(rows):
+        try:
+            r = _plan(cache, i, *row, runner.max_piece)
+        except Exception as ex:  # noqa: BLE001 - a bad row is left to the caller
+            log.warning("row %d cannot be batched: %s: %s", i, type(ex).__name__, str(ex)[:200])
+            r = None
+        if r is not None:
+            live.append(r)
+    done: list[_Row] = []
+    while live:
+        groups, cur, tokens = [], [], 0
+        for r in live:
+            n = r.todo[0][1] - r.todo[0][0]
+            if cur and (len(cur) == runner.max_batch or tokens + n > runner.max_tokens):
+                groups.append(cur)
+                cur, tokens = [], 0
+            cur.append(r)
+            tokens += n
+        groups.append(cur)
+        failed = set()
+        for grp in groups:
+            failed.update(_step(runner, grp, log))
+        done += [r for r in live if r not in failed and not r.todo]
+        live = [r for r in live if r not in failed and r.todo]
+    for r in done:
+        c0, n = r.best.pos, len(r.ids)
+        path = "hit" if c0 == r.p else "partial"
+        st = cache.stats
+        st["rows"] += 1
+        st["batched"] = st.get("batched", 0) + 1
+        st["hits" if path == "hit" else path] += 1
+        st["tokens_reused"] += c0
+        st["tokens_computed"] += n - c0
+        cache.index.touch(r.best)
+        if r.snaps:
+            cache._serial += 1
+            group = cache.index.add_group(r.ids[: r.p], (r.newK, r.newV, cache._serial), _nbytes(r.newK, r.newV))
+            for pos, conv, S in r.snaps:
+                cache.index.add_checkpoint(group, pos, (conv, S), _nbytes(conv, S))
+                st["ckpts_made"] += 1
+        out[r.i] = Answer(r.probs, path, c0, n - c0)
+    cache.stats["evicted"] += len(cache.index.evict())
+    return out
