@@ -107,15 +107,17 @@ class BatchKernels:
     def __init__(self, kernels, triton: bool | None = None):
         self.k = kernels
         self.triton = getattr(kernels, "short_kernels", False) if triton is None else triton
+        self.max_keys = 8192  # the longest span a sequence may have (sizes the span kernel's splits)
         if self.triton:
-            from . import batch_triton
+            from . import conv_triton, gdn_triton, span_triton
 
-            self.t = batch_triton
+            self._conv, self._conv_max = conv_triton.conv_batch, conv_triton.MAX_ROWS
+            self._delta, self._span = gdn_triton.delta_batch, span_triton.attend_batch
 
     # each: x / q, k, v packed [T, ...]; cu [Bb + 1] long (device); lens: host lengths (eager) or None (graphs)
     def conv(self, x, w, tails, cu, lmax, lens):
-        if self.triton and lmax <= self.t.CONV_MAX_ROWS and x.stride(1) == 1:
-            return self.t.conv_batch(x, w, tails, cu, lmax)
+        if self.triton and lmax <= self._conv_max and x.stride(1) == 1:
+            return self._conv(x, w, tails, cu, lmax)
         y = torch.zeros_like(x)
         for b, (s, n) in enumerate(self._spans(lens)):
             if n:
@@ -123,8 +125,8 @@ class BatchKernels:
         return y
 
     def delta(self, q, k, v, g, beta, S, cu, lmax, lens):
-        if self.triton and q.shape[-1] >= 16:
-            return self.t.delta_batch(q, k, v, g, beta, S, cu, lmax)
+        if self.triton:
+            return self._delta(q, k, v, g, beta, S, cu, lmax)
         o = torch.zeros_like(v)
         for b, (s, n) in enumerate(self._spans(lens)):
             if n:
@@ -133,8 +135,8 @@ class BatchKernels:
         return o
 
     def attend(self, a, q, k, v, cu, starts, kv: BatchKV, lmax, scale, lens):
-        if self.triton and q.dtype != torch.float64:
-            return self.t.attend_batch(q, k, v, cu, starts, kv.off[a], lmax, scale)
+        if self.triton:
+            return self._span(q, k, v, cu, starts, kv.off[a], lmax, scale, max_keys=self.max_keys)
         o = torch.zeros_like(q)
         for b, (s, n) in enumerate(self._spans(lens)):
             if not n:
@@ -177,12 +179,13 @@ class BatchRunner:
     """Packed forwards of continuation pieces, from per-slot states (see the module docstring)."""
 
     def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
-                 max_piece: int = MAX_PIECE, graphs: bool | None = None, pad: bool | None = None, pool=None,
+                 max_piece: int = MAX_PIECE, max_pos: int = 8192, graphs: bool | None = None, pad: bool | None = None, pool=None,
                  triton: bool | None = None, batches=BATCHES, tokens=TOKENS):
         self.model, self.device = model, model.device
         self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)
         self.bk = BatchKernels(kernels, triton)
+        self.bk.max_keys = max_pos
         if self.use_graphs and not self.bk.triton:
             raise ValueError("batch graphs need the Triton batch kernels (the eager ones read host lengths)")
         self.max_slots, self.max_piece = max_slots, max_piece
