@@ -108,6 +108,7 @@ class BatchKernels:
         self.k = kernels
         self.triton = getattr(kernels, "short_kernels", False) if triton is None else triton
         self.max_keys = 8192  # the longest span a sequence may have (sizes the span kernel's splits)
+        self.span_kw: dict = {}  # launch knobs of span_triton.attend_batch (block sizes, splits)
         if self.triton:
             from . import conv_triton, gdn_triton, span_triton
 
@@ -136,7 +137,7 @@ class BatchKernels:
 
     def attend(self, a, q, k, v, cu, starts, kv: BatchKV, lmax, scale, lens):
         if self.triton:
-            return self._span(q, k, v, cu, starts, kv.off[a], lmax, scale, max_keys=self.max_keys)
+            return self._span(q, k, v, cu, starts, kv.off[a], lmax, scale, max_keys=self.max_keys, **self.span_kw)
         o = torch.zeros_like(q)
         for b, (s, n) in enumerate(self._spans(lens)):
             if not n:

@@ -193,3 +193,54 @@ def test_random_mixes_with_evictions(data):
                 single = cache.row(*r, plant_anyway=True)
                 assert single is not None
                 assert_close(single.probs, reference(r[0], r[2], r[3]))
+
+
+# ---- graph mode, with stand-in graphs replaying the Triton batch kernels in the interpreter ----------------------------
+
+
+class ReplayGraph:
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.fn())
+
+
+def test_graph_buckets_and_a_failed_capture(monkeypatch):
+    """Graphs keyed by (batch bucket, token bucket) read every per-sequence number from their input buffer: replays
+    of graphs captured with empty sequences answer rows of other shapes. A bucket that fails to capture halves the
+    batch into buckets that do."""
+    from tests.triton_interp import load
+
+    for mod, kernel in (("statecache.conv_triton", "_conv_chunk_kernel"), ("statecache.gdn_triton", "_delta_chunk_kernel"),
+                        ("statecache.span_triton", "_span_batch_kernel")):
+        load(mod, kernel)
+    import statecache.graphs as graphs_mod
+
+    fail = set()
+
+    def capture(fn, pool, warmup=2):
+        out = fn()  # the warm-up (once: the interpreter is slow)
+        if out.shape[0] in fail:
+            raise RuntimeError("capture refused (test)")
+        return ReplayGraph(fn, out), out
+
+    monkeypatch.setattr(graphs_mod, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    cache = make_cache(True)
+    runner = BatchRunner(small_model(), TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=MAX_POS,
+                         tokens=(64, 128))
+    runner.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid (tested on its own)
+    cache.batch = runner
+    states = [toks(270, 110 + k) for k in range(3)]
+    for k, s in enumerate(states):
+        cache.row(*row(s, 4, k))
+    fail.add(4 * runner.max_slots)  # the 4-sequence bucket refuses: 3 rows run as 1 + 2
+    rows = [row(states[k], 3 + 5 * k, 40 + k, 1 + k % 2) for k in range(3)]
+    ans = cache.rows_batched(rows)
+    assert all(a is not None and a.path == "hit" for a in ans)
+    check(cache, rows, ans)
+    assert runner.stats["capture_failed"] == 1 and runner.graphs[(4, 128)] is None
+    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(1, 64), (2, 64)]
