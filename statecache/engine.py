@@ -52,7 +52,7 @@ class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
-                 compile: bool | None = None, precapture: bool = False):
+                 compile: bool | None = None, precapture: bool = False, batch: int = 64):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -85,7 +85,10 @@ class Engine:
             settings.mb = cache_mb
         self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
         self.cache = StateCache(self.runner, settings)
+        self.cache.batch = self._batch_runner(batch, max_pos) if batch > 0 else None
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
+        if self.precapture_info is not None and self.cache.batch is not None:
+            self.precapture_info["batch"] = self.cache.batch.precapture()
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
@@ -94,10 +97,24 @@ class Engine:
     @classmethod
     def from_env(cls, **kw) -> "Engine":
         """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7); also
-        STATECACHE_PRECAPTURE=1 (capture every chunk graph at start-up) and STATECACHE_COMPILE=0 (no torch.compile)."""
+        STATECACHE_PRECAPTURE=1 (capture every chunk graph at start-up), STATECACHE_COMPILE=0 (no torch.compile) and
+        STATECACHE_BATCH (the most rows of saved states run in one batched forward; 0: one at a time; default 64)."""
         return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
                    os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None),
-                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "0") == "1", **kw)
+                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "0") == "1",
+                   batch=_env_int("STATECACHE_BATCH", 64), **kw)
+
+    def _batch_runner(self, max_batch: int, max_pos: int):
+        """The batched-continuation runner (statecache.batch), or None when it cannot run here: CUDA graphs need its
+        Triton kernels (fla's kernels object); eagerly (CPU) the torch loop serves."""
+        from .batch import BatchRunner
+
+        try:
+            return BatchRunner(self.model, self.kernels, max_slots=self.runner.max_slots, max_batch=max_batch,
+                               max_pos=max_pos, pool=self.runner.pool, graphs=self.runner.use_graphs)
+        except Exception:  # noqa: BLE001 - rows then run one at a time
+            log.exception("no batched continuations")
+            return None
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
@@ -122,6 +139,8 @@ class Engine:
             else:
                 todo.append((i, row, key))
         groups, plain = self._groups(todo)
+        groups, more_plain = self._continue_batched(groups, backed_up, results)
+        plain += more_plain
         for members in groups.values():
             try:
                 plain += self._cached_group(members, backed_up, results)
@@ -147,6 +166,83 @@ class Engine:
             p = row["state_len"] - row["state_len"] % align
             groups.setdefault(tuple(row["ids"][:p]), []).append(item)
         return groups, plain
+
+    def _continue_batched(self, groups, backed_up: bool, results) -> tuple["OrderedDict[tuple, list]", list]:
+        """The rows that can continue from saved states, answered by batched calls (StateCache.rows_batched): first
+        every row of the states that have a checkpoint (one call), then the first row of each new state plants its
+        checkpoints alone and the rows behind it run in a second call. Returns the groups with the rows left for
+        `_cached_group` (the cache could not batch them) and rows declined to the plain path."""
+        if self.cache.batch is None or not groups:
+            return groups, []
+        align = self.cache.s.align
+        warm, cold = [], []
+        for key, members in groups.items():
+            row = members[0][1]
+            seen = self.cache.index.lookup(row["ids"], limit=row["state_len"] - row["state_len"] % align)
+            (warm if seen is not None else cold).append(key)
+        left: OrderedDict = OrderedDict()
+        plain: list = []
+        for key in warm:
+            left[key] = []
+        self._batched_rows([(key, m) for key in warm for m in groups[key]], results, left)
+        rest = []
+        self.cache.cold_ok = lambda: not backed_up
+        for key in cold:  # a new state: its first row plants (others sharing it make that pay), the rest batch after
+            members = groups[key]
+            i, row, mkey = members[0]
+            left[key] = []
+            try:
+                shared = len({k for _, _, k in members}) > 1
+                ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], plant_anyway=shared)
+            except Exception as e:  # noqa: BLE001 - only this row fails
+                log.exception("cached row failed")
+                results[i] = self._error("internal", f"{type(e).__name__}: {e}")
+                ans = False
+            if ans is None:
+                plain.append(members[0])
+            elif ans:
+                res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+                self.memo.put(mkey, res)
+                results[i] = res
+            for j, _, k in members[1:]:  # the same row again: its answer (also with the memo off)
+                if k == mkey and results[j] is None and ans:
+                    results[j] = self._memo(k) or dict(res, path="memo", reused=0, computed=0)
+            rest += [(key, m) for m in members[1:]]
+        self._batched_rows(rest, results, left)
+        return OrderedDict((k, v) for k, v in left.items() if v), plain
+
+    def _batched_rows(self, items, results, left) -> None:
+        """items [(group key, (i, row, memo key))] through one StateCache.rows_batched call (each distinct row once);
+        rows it leaves go back to left[group key]."""
+        todo, uniq = [], {}
+        for gkey, (i, row, key) in items:
+            if results[i] is not None:
+                continue
+            if (hit := self._memo(key)) is not None:
+                results[i] = hit
+            elif key in uniq:
+                uniq[key][1].append((gkey, i))
+            else:
+                uniq[key] = (row, [(gkey, i)])
+                todo.append(key)
+        if not todo:
+            return
+        try:
+            answers = self.cache.rows_batched([(uniq[k][0]["ids"], uniq[k][0]["state_len"], uniq[k][0]["slots"],
+                                                uniq[k][0]["nopts"]) for k in todo])
+        except Exception:  # noqa: BLE001 - the rows go one at a time instead
+            log.exception("batched rows failed")
+            answers = [None] * len(todo)
+        for key, ans in zip(todo, answers):
+            row, where = uniq[key]
+            if ans is None:
+                for gkey, i in where:
+                    left[gkey].append((i, row, key))
+                continue
+            res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+            self.memo.put(key, res)
+            for n, (_, i) in enumerate(where):
+                results[i] = res if n == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
 
     def _cached_group(self, members, backed_up: bool, results) -> list:
         """Run a group's rows through the cache; returns those it declines (for the plain path)."""

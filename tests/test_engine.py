@@ -277,3 +277,21 @@ def test_score_cli_answers_json_lines_in_order(monkeypatch, capsys):
     check(eng, [rows[0], rows[3]], [res[0], res[3]])
     stats = json.loads(err.strip().splitlines()[-1].removeprefix("statecache: "))
     assert stats["rows"] == 3 and stats["errors"] == 1 and stats["hits"] == 1 and stats["cold"] == 1
+
+
+def test_rows_of_saved_states_run_batched(engine):
+    """A drained batch: rows of states with checkpoints (hits, a grown state) run as one batched call; a new state's
+    first row plants alone and the rows behind it run in a second call; STATECACHE_BATCH=0's engine answers alike."""
+    eng = engine()
+    a, b, c = toks(300, 21), toks(200, 22), toks(260, 23)
+    check(eng, [row(a, 5, 1), row(b, 5, 2)], eng.answer([row(a, 5, 1), row(b, 5, 2)]))
+    forwards = eng.cache.batch.stats["forwards"]
+    rows = [row(a, 9, 3), row(c, 7, 4), row(b + toks(70, 5), 6, 5), row(c, 12, 6), row(a, 20, 7, (3, 5)), row(c, 4, 8)]
+    res = eng.answer(rows)
+    check(eng, rows, res)
+    assert paths(res) == ["hit", "cold", "partial", "hit", "hit", "hit"]
+    assert eng.cache.stats["batched"] == 5
+    assert eng.cache.batch.stats["forwards"] - forwards == 3  # the grown state's planting piece, the questions; c's
+    solo = engine(batch=0)
+    assert solo.cache.batch is None
+    check(solo, rows, solo.answer(rows))
