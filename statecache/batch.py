@@ -8,8 +8,9 @@ chunk K/V buffer (so no group's K/V is copied per row). The pieces of a forward 
 (cu_seqlens); rotary positions are s + i per sequence. Tokens past the last piece (a graph's padding) belong to no
 sequence: no kernel that mixes tokens reads or writes them.
 
-`BatchRunner.forward(pieces)` runs one packed forward (one CUDA graph replay per (batch-size bucket, token bucket)
-on CUDA, the same code eagerly elsewhere) and returns the answers at each piece's slots; after it, the batch slots
+`BatchRunner.forward(pieces)` runs one packed forward (on CUDA one replay of the graph of its (batch-size, total-token,
+longest-piece) buckets, with every per-sequence number in the graph's input buffer; the same code eagerly elsewhere)
+and returns the answers at each piece's slots; after it, the batch slots
 hold each row's state at its piece's end and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them).
 `precapture` captures every bucket's graph at start-up.
 
@@ -30,7 +31,8 @@ from .runner import bucket
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch-size buckets (sequences per graph)
 TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # packed-token buckets
-MAX_PIECE = 128  # the most tokens one sequence of a batch may have (statecache.conv_triton.MAX_ROWS)
+PIECES = (64, 128)  # per-sequence token buckets: a 64-token piece is one delta-rule launch, 128 two
+MAX_PIECE = PIECES[-1]  # the most tokens one sequence of a batch may have (statecache.conv_triton.MAX_ROWS)
 
 
 @dataclass
@@ -190,6 +192,7 @@ class BatchRunner:
         if self.use_graphs and not self.bk.triton:
             raise ValueError("batch graphs need the Triton batch kernels (the eager ones read host lengths)")
         self.max_slots, self.max_piece = max_slots, max_piece
+        self.pieces = tuple(x for x in PIECES if x < max_piece) + (max_piece,)
         self.batches = tuple(b for b in batches if b <= max_batch)
         self.max_batch = self.batches[-1]
         top = max_tokens or self.max_batch * max_piece
@@ -206,16 +209,23 @@ class BatchRunner:
 
     # ---- shapes ---------------------------------------------------------------------------------------------------
 
-    def shape(self, B: int, T: int) -> tuple[int, int] | None:
-        """(batch bucket, token bucket) of B sequences of T tokens in all; None when too many."""
+    def shape(self, B: int, T: int, L: int) -> tuple[int, int, int] | None:
+        """(batch bucket, token bucket, per-sequence bucket) of B sequences of T tokens in all, the longest L; None
+        when too many."""
         if not self.pad:
-            return (B, T) if B <= self.max_batch and T <= self.max_tokens else None
-        Bb, Tb = bucket(B, self.batches), bucket(T, self.tokens)
-        return None if Bb is None or Tb is None else (Bb, Tb)
+            return (B, T, L) if B <= self.max_batch and T <= self.max_tokens and L <= self.max_piece else None
+        Bb, Tb, Lb = bucket(B, self.batches), bucket(T, self.tokens), bucket(L, self.pieces)
+        return None if Bb is None or Tb is None or Lb is None else (Bb, Tb, Lb)
 
-    def keys(self) -> list[tuple[int, int]]:
-        """Every (batch bucket, token bucket) a forward can take: tokens of at most max_piece per sequence."""
-        return [(B, T) for B in self.batches for T in self.tokens if T <= max(B * self.max_piece, self.tokens[0])]
+    def keys(self) -> list[tuple[int, int, int]]:
+        """Every (batch, tokens, per-sequence) bucket a forward can take."""
+        out = []
+        for B in self.batches:
+            for T in self.tokens:
+                for L in self.pieces:
+                    if (L == self.pieces[0] or L <= T) and T <= max(bucket(B * L, self.tokens) or 0, self.tokens[0]):
+                        out.append((B, T, L))
+        return out
 
     # ---- the forward ----------------------------------------------------------------------------------------------
 
@@ -224,8 +234,7 @@ class BatchRunner:
         ids, pos, slots, nopts, cu, starts, off = torch.split(inp, [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb])
         return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(A, Bb, 2))
 
-    def _forward(self, g: _Graph, Bb: int, Tb: int, kv_tensors: list, lens) -> torch.Tensor:
-        lmax = min(Tb, self.max_piece)
+    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens) -> torch.Tensor:
         kv = BatchKV(kv_tensors, g.off, self.st.K, self.st.V)
         mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens)
         h = self.model.body(g.ids, g.pos, mix)  # [Tb, H]
@@ -258,22 +267,23 @@ class BatchRunner:
         cu[len(pieces) + 1 :] = t
         return inp
 
-    def _capture(self, Bb: int, Tb: int) -> _Graph | None:
+    def _capture(self, Bb: int, Tb: int, Lb: int) -> _Graph | None:
         inp = torch.zeros(2 * Tb + 2 * Bb * self.max_slots + 2 * Bb + 1 + 2 * self.n_attn * Bb, dtype=torch.long)
         g = self._views(inp.to(self.device), Bb, Tb)  # all sequences empty: the warm-up runs touch no slot
-        got = try_capture(lambda: self._forward(g, Bb, Tb, [], None), self.pool, self.stats, self.failures,
-                          f"batch ({Bb}, {Tb})")
+        got = try_capture(lambda: self._forward(g, Bb, Tb, Lb, [], None), self.pool, self.stats, self.failures,
+                          f"batch ({Bb}, {Tb}, {Lb})")
         if got is None:
             return None
         g.graph, g.out = got
         g.staging = Staging(g.inp)
         return g
 
-    def ensure(self, B: int, T: int) -> tuple[int, int]:
-        """The shape of B sequences of T tokens, its graph captured (graphs); NotBatched if there is none."""
-        key = self.shape(B, T)
+    def ensure(self, B: int, T: int, L: int) -> tuple[int, int, int]:
+        """The shape of B sequences of T tokens (the longest L), its graph captured (graphs); NotBatched if there
+        is none."""
+        key = self.shape(B, T, L)
         if key is None:
-            raise NotBatched(f"{B} sequences of {T} tokens exceed the largest batch shape")
+            raise NotBatched(f"{B} sequences of {T} tokens (the longest {L}) exceed the largest batch shape")
         if self.use_graphs:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(*key)
@@ -297,18 +307,18 @@ class BatchRunner:
                 raise NotBatched(f"piece [{pc.s}, {pc.e}) with {len(pc.slots)} slots does not fit a batch")
             if pc.s and not (pc.K.is_contiguous() and pc.V.is_contiguous() and pc.K.shape[1] >= pc.s):
                 raise NotBatched("a piece's K/V must be contiguous and hold [0, s)")
-        B, T = len(pieces), sum(pc.e - pc.s for pc in pieces)
-        Bb, Tb = self.ensure(B, T)
+        B, T, L = len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces)
+        Bb, Tb, Lb = self.ensure(B, T, L)
         inp = self._pack(pieces, Bb, Tb)
         self.stats["forwards"] += 1
         self.stats["sequences"] += B
         if not self.use_graphs:
             g = self._views(inp.to(self.device), Bb, Tb)
             with torch.no_grad():
-                out = self._forward(g, Bb, Tb, [(pc.K, pc.V) for pc in pieces], [pc.e - pc.s for pc in pieces]
+                out = self._forward(g, Bb, Tb, Lb, [(pc.K, pc.V) for pc in pieces], [pc.e - pc.s for pc in pieces]
                                     + [0] * (Bb - B))
         else:
-            g = self.graphs[(Bb, Tb)]
+            g = self.graphs[(Bb, Tb, Lb)]
             self._send(g, inp)
             g.graph.replay()
             out = g.out
@@ -418,7 +428,7 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
         pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None,
                             () if plant else tuple(r.slots), () if plant else tuple(r.nopts)))
     try:
-        runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces))
+        runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces))
         runner.load(pieces)
         out = runner.forward(pieces)
         probs = None

@@ -52,7 +52,7 @@ def check(cache, rows, answers, tol=1e-4):
 def row(state, q, seed, nslots=1):
     ids = state + toks(q, 5000 + seed)
     n = len(ids)
-    slots = sorted({n - 1 - 3 * j for j in range(nslots)})
+    slots = sorted({max(len(state), n - 1 - 3 * j) for j in range(nslots)})  # in the question
     return ids, len(state), slots, [2 + (seed + j) % 20 for j in range(len(slots))]
 
 
@@ -242,5 +242,5 @@ def test_graph_buckets_and_a_failed_capture(monkeypatch):
     ans = cache.rows_batched(rows)
     assert all(a is not None and a.path == "hit" for a in ans)
     check(cache, rows, ans)
-    assert runner.stats["capture_failed"] == 1 and runner.graphs[(4, 128)] is None
-    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(1, 64), (2, 64)]
+    assert runner.stats["capture_failed"] == 1 and runner.graphs[(4, 128, 64)] is None
+    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(1, 64, 64), (2, 64, 64)]
