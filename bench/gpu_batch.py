@@ -12,7 +12,9 @@ Targets on an H200 at the 9B shape: 16 hits <= 30 ms in all, 4 hits <= 10 ms.
 
 Robust by design (device time is scarce): each case runs in try/except, progress is logged with timestamps, the
 JSON (--out/gpu_batch.json) is rewritten after every step, and --budget seconds stops starting new cases.
-Checked end to end on the CPU: `python3 bench/gpu_batch.py --device cpu --shape tiny --state 256 --out /tmp/b`.
+Checked end to end on the CPU: `python3 bench/gpu_batch.py --device cpu --tiny --state 256 --out /tmp/b`, and
+with the Triton batch kernels in the interpreter: `TRITON_INTERPRET=1 python3 bench/gpu_batch.py --device cpu --tiny
+--triton --state 256 --counts 1,4 --reps 1 --out /tmp/b`.
 
 Run on the device machine:  python3 bench/gpu_batch.py --out $OUT   (9B, 1/4/16/64 hits)
 """
@@ -121,6 +123,8 @@ def main():
     ap.add_argument("--cache-mb", type=int, default=0, help="cache budget (default: enough for every state)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds: start no new case after this")
     ap.add_argument("--no-compile", action="store_true", help="eager elementwise pieces (CUDA compiles by default)")
+    ap.add_argument("--triton", action="store_true", help="CPU check: the batch through the Triton kernels in "
+                    "Triton's interpreter (set TRITON_INTERPRET=1), bucketed shapes as on the GPU")
     args = ap.parse_args()
     OUT = Path(args.out)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -150,7 +154,9 @@ def main():
             mb = args.cache_mb or int(2 * n_states * per_state / 2**20) + 64  # a state plants at 2048 and p
             cache = StateCache(runner, CacheSettings(mb=mb, stride=0, tail=0))
             cache.batch = BatchRunner(model, kernels, max_slots=4, max_batch=max(64, n_states), max_pos=max_pos,
-                                      pool=runner.pool, graphs=runner.use_graphs)
+                                      pool=runner.pool, graphs=runner.use_graphs,
+                                      **(dict(triton=True, pad=True) if args.triton else {}))
+            R["batch_triton"] = cache.batch.bk.triton
             R["cache_mb"] = mb
             V = cfg.vocab_size
             g = torch.Generator().manual_seed(1)

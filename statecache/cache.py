@@ -165,4 +165,5 @@ class StateCache:
 
     def info(self) -> dict:
         return {**self.stats, **self.runner.stats, "checkpoints": len(self.index), "groups": self.index.n_groups,
-                "bytes": self.index.bytes, "mb": self.s.mb}
+                "bytes": self.index.bytes, "mb": self.s.mb,
+                **({"batch": dict(self.batch.stats, failed=self.batch.failures[:3])} if self.batch is not None else {})}
