@@ -158,6 +158,8 @@ def main():
                                       **(dict(triton=True, pad=True) if args.triton else {}))
             R["batch_triton"] = cache.batch.bk.triton
             R["cache_mb"] = mb
+            if cache.batch.bk.triton:
+                kernel_check(cfg, dev, dtype)
             V = cfg.vocab_size
             g = torch.Generator().manual_seed(1)
             states = [torch.randint(0, V, (args.state,), generator=g).tolist() for _ in range(n_states)]
@@ -206,6 +208,60 @@ def _state_bytes(cfg, n: int, dtype) -> int:
     conv = G * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * es
     kv = 2 * A * n * cfg.num_key_value_heads * cfg.head_dim * es
     return S + conv + kv
+
+
+def kernel_check(cfg, dev, dtype):
+    """The three batched Triton kernels at the model's head shapes against the one-sequence reference loop (four
+    sequences of 64, 1, 100 and 0 tokens, cached keys in separate buffers); max |error| each, or the traceback."""
+    from statecache.batch import BatchKernels, BatchKV
+    from statecache.kernels import TorchKernels
+
+    out = R.setdefault("kernel_check", {})
+    ref, tri = BatchKernels(TorchKernels(), triton=False), BatchKernels(TorchKernels(), triton=True)
+    lens, starts = [64, 1, 100, 0], [512, 64, 1024, 0]
+    cu = torch.tensor([0, 64, 65, 165, 165], device=dev)
+    T, B, lmax = 170, 4, 128
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape, scale=1.0, dt=dtype):
+        return (scale * torch.randn(*shape, generator=g)).to(dev, dt)
+
+    checks = {}
+    C, W = cfg.conv_dim, cfg.linear_conv_kernel_dim
+    x, w, tails = rnd(T, C), rnd(C, W, scale=0.3), rnd(B, W - 1, C)
+    checks["conv"] = lambda: _cmp(tri.conv(x, w, tails.clone(), cu, lmax, None), ref.conv(x, w, tails.clone(), cu, lmax, lens))
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    q, k, v = rnd(T, Hk, Dk), rnd(T, Hk, Dk), rnd(T, Hv, Dv)
+    gg = -torch.rand(T, Hv, generator=g).to(dev) * 0.3
+    beta = torch.rand(T, Hv, generator=g).to(dev, dtype)
+    S = rnd(B, Hv, Dk, Dv, scale=0.1, dt=torch.float32)
+
+    def delta():
+        S1, S2 = S.clone(), S.clone()
+        e = _cmp(tri.delta(q, k, v, gg, beta, S1, cu, lmax, None), ref.delta(q, k, v, gg, beta, S2, cu, lmax, lens))
+        return [e, float((S1 - S2).abs().max())]
+    checks["delta"] = delta
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qa, ka, va = rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D)
+    groups = [(rnd(2, st + 5, Hkv, D), rnd(2, st + 5, Hkv, D)) if st else (None, None) for st in starts]
+    es = ka.element_size()
+    off = torch.tensor([[(K[1].data_ptr() - ka.data_ptr()) // es, (V[1].data_ptr() - va.data_ptr()) // es]
+                        if K is not None else [0, 0] for K, V in groups], device=dev)
+    st_t = torch.tensor(starts, device=dev)
+    kv = BatchKV(groups, off[None].expand(2, B, 2), None, None)
+    checks["span"] = lambda: _cmp(tri.attend(1, qa, ka, va, cu, st_t, kv, lmax, D**-0.5, None),
+                                  ref.attend(1, qa, ka, va, cu, st_t, kv, lmax, D**-0.5, lens))
+    for name, fn in checks.items():
+        try:
+            out[name] = fn()
+        except Exception:  # noqa: BLE001
+            out[name] = traceback.format_exc()[-2000:]
+        log("kernel check", name, out[name] if not isinstance(out[name], str) else out[name][-600:])
+        save()
+
+
+def _cmp(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
 
 
 def case(cache, states, question, n: int, args, dev):
