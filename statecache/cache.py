@@ -57,6 +57,7 @@ class StateCache:
         self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align)
         self.cold_ok: Callable[[], bool] | None = None  # may a row with nothing to reuse take this path now?
         self.batch = None  # a statecache.batch.BatchRunner: enables rows_batched
+        self.between: Callable[[], None] | None = None  # called between a row's state chunks (must not call row)
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
         self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "declined": 0, "tokens_reused": 0,
                       "tokens_computed": 0, "ckpts_made": 0, "evicted": 0}
@@ -105,6 +106,8 @@ class StateCache:
             self.runner.run(ids, a, b)
             if plant:
                 snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone()))
+            if self.between is not None:  # chunked prefill: short work that arrived meanwhile runs now
+                self.between()
         out = self.runner.run(ids, p, n, slots, nopts)
         probs = self.runner.read(out, len(slots))  # waits for the GPU
         path = "hit" if c0 == p else ("partial" if c0 > 0 else "cold")

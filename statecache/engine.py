@@ -118,7 +118,10 @@ class Engine:
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
-    def answer(self, rows: list, backed_up: bool = False) -> list[dict]:
+    def answer(self, rows: list, backed_up: bool = False, between=None) -> list[dict]:
+        """between: called between the chunks of a long cached forward (a new state's), so the caller can answer
+        rows that arrived meanwhile with `answer_ready` (chunked prefill)."""
+        self.cache.between = between
         results: list[dict | None] = [None] * len(rows)
         self.counts["batches"] += 1
         todo = []  # (index, row, memo key)
@@ -151,6 +154,33 @@ class Engine:
                         results[i] = self._error("internal", f"{type(e).__name__}: {e}")
         self._plain(plain, results)
         return results  # type: ignore[return-value]
+
+    def answer_ready(self, rows: list) -> list[dict | None]:
+        """The rows that can be answered without a long forward, now: bad rows (their error), memo answers and rows
+        that continue from saved states (one batched call); None for the others (give them to `answer` later).
+        Safe to call from `answer`'s `between` hook: it never runs a row's own chunked forward."""
+        results: list[dict | None] = [None] * len(rows)
+        items = []
+        for i, raw in enumerate(rows):
+            try:
+                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer)
+            except RowError as e:
+                results[i] = self._error(e.code, e.message)
+                continue
+            except Exception as e:  # noqa: BLE001
+                results[i] = self._error("bad_row", f"{type(e).__name__}: {e}")
+                continue
+            key = row_key(row["ids"], row["slots"], row["nopts"])
+            if (hit := self._memo(key)) is not None:
+                results[i] = hit
+            elif self.cache.batch is not None and self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
+                items.append((None, (i, row, key)))
+        self.counts["rows"] += sum(r is not None for r in results)
+        if items:
+            left: dict = {None: []}
+            self._batched_rows(items, results, left)
+            self.counts["rows"] += sum(results[i] is not None for _, (i, _, _) in items)
+        return results
 
     def _groups(self, todo) -> tuple["OrderedDict[tuple, list]", list]:
         """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;

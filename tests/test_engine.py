@@ -295,3 +295,79 @@ def test_rows_of_saved_states_run_batched(engine):
     solo = engine(batch=0)
     assert solo.cache.batch is None
     check(solo, rows, solo.answer(rows))
+
+
+def test_hits_answered_between_the_chunks_of_a_new_state(engine):
+    """Chunked prefill: while a new state's long forward runs, `between` answers rows of saved states that arrived
+    meanwhile (answer_ready); a row that needs a long forward of its own is left for later (None)."""
+    eng = engine(settings=CacheSettings(min_prefix=64, stride=128))
+    a = toks(300, 31)
+    eng.answer([row(a, 5, 1)])
+    hit, new = row(a, 9, 2), row(toks(200, 33), 4, 3)
+    got = []
+
+    def between():
+        if not got:
+            got.extend(eng.answer_ready([hit, new, {"ids": [1]}]))
+
+    long_row = row(toks(700, 32), 6, 4)  # chunks end at 128, 256, ..., 640: `between` runs after each
+    res = eng.answer([long_row], between=between)
+    check(eng, [long_row], res)
+    assert paths(res) == ["cold"]
+    assert got[0]["path"] == "hit" and got[1] is None and got[2]["error"]["code"]
+    check(eng, [hit], got[:1])
+
+
+def test_gpu_thread_answers_hits_between_chunks():
+    """The GPU thread hands `between` to the engine: a hit queued behind a long new state is answered inside
+    that batch, the rest of the queue stays for the next."""
+    import asyncio
+    import threading
+
+    from statecache.engine import Engine
+    from worker.gpu_thread import GpuThread
+
+    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128))
+    queued, busy, seen = threading.Event(), threading.Event(), threading.Event()
+
+    class Gated:  # the real engine; its batch's first `between` waits until a row has queued behind the batch,
+        def answer(self, rows, backed_up=False, between=None):  # the next ones until that row's answer arrived
+            calls = []
+
+            def gated():
+                busy.set()
+                (seen if calls else queued).wait(10)
+                calls.append(1)
+                between()
+            return eng.answer(rows, backed_up, gated if between else None)
+
+        def answer_ready(self, rows):
+            return eng.answer_ready(rows)
+
+    a = toks(300, 41)
+    gpu = GpuThread(lambda: Gated())
+    gpu.start()
+
+    async def main():
+        queued.set()
+        seen.set()
+        await gpu.answer(row(a, 5, 1))  # plants a (its own `between` calls find nothing queued)
+        busy.clear()
+        seen.clear()
+        queued.clear()
+        long_task = asyncio.ensure_future(gpu.answer(row(toks(700, 42), 6, 2)))
+        while not busy.is_set():
+            await asyncio.sleep(0.005)
+        hit_task = asyncio.ensure_future(gpu.answer(row(a, 9, 3)))
+        while gpu.pending() == 0:
+            await asyncio.sleep(0.005)
+        queued.set()
+        hit = await hit_task
+        assert not long_task.done()  # answered while the long forward still runs
+        seen.set()
+        return hit, await long_task
+
+    hit, long_res = asyncio.run(main())
+    assert gpu.stop(5)
+    assert hit["path"] == "hit" and long_res["path"] == "cold"
+    assert gpu.counters["between_rows"] == 1 and gpu.counters["batches"] == 2
