@@ -286,7 +286,9 @@ def case(cache, states, question, n: int, args, dev):
     res["answered"] = len(ok)
     res["batched_paths"] = sorted({b.path for b in batched if b is not None})
     res["max_dp"] = max((maxdp(a, b) for a, b in ok), default=None)
-    res["speedup"] = round(res["single_ms"] / res["batched_ms"], 2)
+    res["speedup"] = round(res["single_ms"] / res["batched_ms"], 2) if len(ok) == n else None
+    if len(ok) < n:  # batched rows fell back (None): the reason is in the runner's failures / the log
+        res["batch_failures"] = cache.batch.failures[-3:]
     runner = cache.batch
     key = runner.shape(n, sum(len(r[0]) - r[1] for r in rows), max(len(r[0]) - r[1] for r in rows))
     res["graph_key"] = list(key) if key else None
