@@ -191,6 +191,13 @@ def main():
                     R["errors"].append(f"case {n}: " + traceback.format_exc()[-2000:])
                     log(R["errors"][-1])
                 save()
+            if dev.type == "cuda" and time.perf_counter() - T0 < args.budget:
+                try:
+                    variants(cfg, dev, dtype, args.state)
+                except Exception:  # noqa: BLE001
+                    R["errors"].append("variants: " + traceback.format_exc()[-2000:])
+                    log(R["errors"][-1])
+                save()
             R["batch_stats"] = dict(cache.batch.stats)
             R["batch_failures"] = cache.batch.failures[:5]
     except Exception:  # noqa: BLE001
@@ -258,6 +265,47 @@ def kernel_check(cfg, dev, dtype):
             out[name] = traceback.format_exc()[-2000:]
         log("kernel check", name, out[name] if not isinstance(out[name], str) else out[name][-600:])
         save()
+
+
+def variants(cfg, dev, dtype, state: int, B: int = 16, L: int = 64):
+    """GPU microseconds of the batched span attention and delta rule at this shape for B sequences of L tokens
+    (each attending over its own `state` cached keys in its own buffer), over launch knobs: for tuning."""
+    from gpu_timing import graph_us
+
+    from statecache import gdn_triton, span_triton
+
+    out = R.setdefault("variants_us", {})
+    T = B * L
+    cu = torch.arange(0, T + 1, L, device=dev)
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q, k, v = (torch.randn(T, h, D, device=dev, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    groups = [(torch.randn(state, Hkv, D, device=dev, dtype=dtype), torch.randn(state, Hkv, D, device=dev, dtype=dtype))
+              for _ in range(B)]
+    es = k.element_size()
+    off = torch.tensor([[(K.data_ptr() - k.data_ptr()) // es, (V.data_ptr() - v.data_ptr()) // es] for K, V in groups],
+                       device=dev)
+    starts = torch.full((B,), state, device=dev)
+    for bm, bn, w in ((64, 32, 4), (64, 64, 4), (64, 32, 8), (128, 32, 8), (32, 32, 4), (64, 64, 8)):
+        name = f"span_m{bm}_n{bn}_w{w}"
+        try:
+            out[name] = graph_us([lambda: span_triton.attend_batch(q, k, v, cu, starts, off, L, D**-0.5, block_m=bm,
+                                                                   block_n=bn, num_warps=w)])
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        log("variant", name, out[name])
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qd, kd = (torch.randn(T, Hk, Dk, device=dev, dtype=dtype) for _ in range(2))
+    vd = torch.randn(T, Hv, Dv, device=dev, dtype=dtype)
+    gd = -torch.rand(T, Hv, device=dev) * 0.3
+    bd = torch.rand(T, Hv, device=dev, dtype=dtype)
+    S = torch.zeros(B, Hv, Dk, Dv, device=dev)
+    for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8)):
+        name = f"delta_v{bv}_w{w}"
+        try:
+            out[name] = graph_us([lambda: gdn_triton.delta_batch(qd, kd, vd, gd, bd, S, cu, L, block_v=bv, num_warps=w)])
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        log("variant", name, out[name])
 
 
 def _cmp(a, b) -> float:
