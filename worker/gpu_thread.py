@@ -19,6 +19,7 @@ Knows the engine contract (`answer`, `stats`) and asyncio futures; does not know
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -180,13 +181,23 @@ class GpuThread:
             item.resolve(result)
 
     def _call(self, rows: list, backed_up: bool) -> list[dict]:
-        if hasattr(self.engine, "answer_ready"):  # chunked prefill: hits that arrive meanwhile go between chunks
+        if self._chunked():  # chunked prefill: rows of saved states that arrive meanwhile go between chunks
             results = list(self.engine.answer(rows, backed_up=backed_up, between=self._between))
         else:
             results = list(self.engine.answer(rows, backed_up=backed_up))
         if len(results) != len(rows):
             raise RuntimeError(f"engine returned {len(results)} results for {len(rows)} rows")
         return results
+
+    def _chunked(self) -> bool:
+        """Does the engine take a `between` callback and answer rows between chunks (`answer_ready`)?"""
+        if not hasattr(self, "_chunked_ok"):
+            try:
+                takes = "between" in inspect.signature(self.engine.answer).parameters
+            except (TypeError, ValueError):
+                takes = False
+            self._chunked_ok = takes and callable(getattr(self.engine, "answer_ready", None))
+        return self._chunked_ok
 
     def _between(self) -> None:
         """Called by the engine between the chunks of a long forward: the rows that arrived meanwhile and can be
