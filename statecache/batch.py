@@ -10,12 +10,17 @@ sequence: no kernel that mixes tokens reads or writes them.
 
 `BatchRunner.forward(pieces)` runs one packed forward (on CUDA one replay of the graph of its (batch-size, total-token,
 longest-piece) buckets, with every per-sequence number in the graph's input buffer; the same code eagerly elsewhere)
-and returns the answers at each piece's slots; after it, the batch slots
-hold each row's state at its piece's end and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them).
-`precapture` captures every bucket's graph at start-up.
+and returns the answers at each piece's slots; after it, the batch slots hold each row's state at its piece's end
+and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `precapture` captures every bucket's graph
+at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
 
-This module knows nothing of the index, eviction or which rows may come here: statecache.cache.StateCache.rows_batched
-plans the pieces, gathers, plants and scatters.
+`rows_batched` (behind statecache.cache.StateCache.rows_batched) turns cache rows into pieces: each row restores its
+deepest checkpoint; its remaining chunks (those ending at checkpoint positions, then the question) run as steps, one
+packed forward per step for every row still going (split at the largest batch; a failing forward is halved until
+the failing row stands alone, and only that row is given back as None). A row that plants gets its own K/V of
+[0, p) up front (the restored prefix, then each step's chunk), so its next step reads them like any group's. It
+knows checkpoints' payload layout (conv, S) and groups' (K, V, serial) as statecache.cache makes them; nothing of
+Redis, the memo or the engine's grouping.
 """
 
 from __future__ import annotations
@@ -436,28 +441,25 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
         runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces))
         runner.load(pieces)
         out = runner.forward(pieces)
-        probs = None
-        for b, r in enumerate(rows):
-            s, e, plant = r.todo[0]
-            if plant:
-                Kc, Vc = runner.chunk_kv(pieces, b)
-                r.newK[:, s:e].copy_(Kc)
-                r.newV[:, s:e].copy_(Vc)
-                r.conv, r.S = runner.st.conv[:, b].clone(), runner.st.S[:, b].clone()
-                r.K, r.V = r.newK, r.newV
-                r.snaps.append((e, r.conv, r.S))
-            else:
-                if probs is None:
-                    probs = runner.read(out)
-                r.probs = [probs[b, j, : k].tolist() for j, k in enumerate(r.nopts)]
-            r.todo.pop(0)
-        return []
+        probs = runner.read(out) if any(not r.todo[0][2] for r in rows) else None  # waits for the GPU
     except Exception as ex:  # noqa: BLE001 - isolate the failing row by halving
         if len(rows) == 1:
             log.warning("batched row failed: %s: %s", type(ex).__name__, str(ex)[:200])
             return rows
         h = len(rows) // 2
         return _step(runner, rows[:h], log) + _step(runner, rows[h:], log)
+    for b, r in enumerate(rows):  # the forward went through: snapshots, chunk K/V and answers
+        s, e, plant = r.todo.pop(0)
+        if plant:
+            Kc, Vc = runner.chunk_kv(pieces, b)
+            r.newK[:, s:e].copy_(Kc)
+            r.newV[:, s:e].copy_(Vc)
+            r.conv, r.S = runner.st.conv[:, b].clone(), runner.st.S[:, b].clone()
+            r.K, r.V = r.newK, r.newV
+            r.snaps.append((e, r.conv, r.S))
+        else:
+            r.probs = [probs[b, j, :k].tolist() for j, k in enumerate(r.nopts)]
+    return []
 
 
 def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
