@@ -198,29 +198,34 @@ class Engine:
         return groups, plain
 
     def _continue_batched(self, groups, backed_up: bool, results) -> tuple["OrderedDict[tuple, list]", list]:
-        """The rows that can continue from saved states, answered by batched calls (StateCache.rows_batched): first
-        every row of the states that have a checkpoint (one call), then the first row of each new state plants its
-        checkpoints alone and the rows behind it run in a second call. Returns the groups with the rows left for
-        `_cached_group` (the cache could not batch them) and rows declined to the plain path."""
+        """The rows that can continue from saved states, answered by batched calls (StateCache.rows_batched). First
+        call: every row of the states saved at their end (hits) and the first row of each grown state (it plants the
+        state's end in the batch); then the first row of each new state plants its checkpoints alone; second call:
+        the rows behind the grown and the new states. Returns the groups with the rows left for `_cached_group`
+        (the cache could not batch them) and rows declined to the plain path."""
         if self.cache.batch is None or not groups:
             return groups, []
         align = self.cache.s.align
-        warm, cold = [], []
+        first, cold = [], []
+        rest: list = []
+        left: OrderedDict = OrderedDict((key, []) for key in groups)
+        plain: list = []
         for key, members in groups.items():
             row = members[0][1]
-            seen = self.cache.index.lookup(row["ids"], limit=row["state_len"] - row["state_len"] % align)
-            (warm if seen is not None else cold).append(key)
-        left: OrderedDict = OrderedDict()
-        plain: list = []
-        for key in warm:
-            left[key] = []
-        self._batched_rows([(key, m) for key in warm for m in groups[key]], results, left)
-        rest = []
+            p = row["state_len"] - row["state_len"] % align
+            seen = self.cache.index.lookup(row["ids"], limit=p)
+            if seen is None:
+                cold.append(key)
+            elif seen.pos == p:
+                first += [(key, m) for m in members]
+            else:  # grown: one row plants p in the first call, the rows behind it hit it in the second
+                first.append((key, members[0]))
+                rest += [(key, m) for m in members[1:]]
+        self._batched_rows(first, results, left)
         self.cache.cold_ok = lambda: not backed_up
         for key in cold:  # a new state: its first row plants (others sharing it make that pay), the rest batch after
             members = groups[key]
             i, row, mkey = members[0]
-            left[key] = []
             try:
                 shared = len({k for _, _, k in members}) > 1
                 ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], plant_anyway=shared)

@@ -286,12 +286,15 @@ def test_rows_of_saved_states_run_batched(engine):
     a, b, c = toks(300, 21), toks(200, 22), toks(260, 23)
     check(eng, [row(a, 5, 1), row(b, 5, 2)], eng.answer([row(a, 5, 1), row(b, 5, 2)]))
     forwards = eng.cache.batch.stats["forwards"]
-    rows = [row(a, 9, 3), row(c, 7, 4), row(b + toks(70, 5), 6, 5), row(c, 12, 6), row(a, 20, 7, (3, 5)), row(c, 4, 8)]
+    grown = b + toks(70, 5)  # p 256 from b's 192
+    rows = [row(a, 9, 3), row(c, 7, 4), row(grown, 6, 5), row(c, 12, 6), row(a, 20, 7, (3, 5)), row(c, 4, 8),
+            row(grown, 11, 9)]
     res = eng.answer(rows)
     check(eng, rows, res)
-    assert paths(res) == ["hit", "cold", "partial", "hit", "hit", "hit"]
-    assert eng.cache.stats["batched"] == 5
-    assert eng.cache.batch.stats["forwards"] - forwards == 3  # the grown state's planting piece, the questions; c's
+    assert paths(res) == ["hit", "cold", "partial", "hit", "hit", "hit", "hit"]  # the grown state planted once
+    assert eng.cache.stats["batched"] == 6
+    # first call: the grown state's planting piece, then the questions; second call: the rows behind c and grown
+    assert eng.cache.batch.stats["forwards"] - forwards == 3
     solo = engine(batch=0)
     assert solo.cache.batch is None
     check(solo, rows, solo.answer(rows))
