@@ -79,7 +79,9 @@ def _delta_chunk_kernel(
     if VARLEN:  # sequence b of a packed batch: its tokens [cu[b] + piece, min(cu[b + 1], ... + BT)), its own state
         b = tl.program_id(2)
         bos = tl.load(cu_ptr + b) + piece
-        L = tl.minimum(tl.load(cu_ptr + b + 1) - bos, BT)  # <= 0: nothing to do (the state stays as it was)
+        L = tl.minimum(tl.load(cu_ptr + b + 1) - bos, BT)
+        if L <= 0:  # an empty sequence (a graph's padding) or a piece past this sequence's end: nothing to do
+            return
         q_ptr += bos * sq_t
         k_ptr += bos * sk_t
         v_ptr += bos * sv_t
