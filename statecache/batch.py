@@ -188,8 +188,8 @@ class BatchRunner:
     """Packed forwards of continuation pieces, from per-slot states (see the module docstring)."""
 
     def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
-                 max_piece: int = MAX_PIECE, max_pos: int = 8192, graphs: bool | None = None, pad: bool | None = None, pool=None,
-                 triton: bool | None = None, batches=BATCHES, tokens=TOKENS):
+                 max_piece: int = MAX_PIECE, max_pos: int = 8192, graphs: bool | None = None, pad: bool | None = None,
+                 pool=None, triton: bool | None = None, batches=BATCHES, tokens=TOKENS):
         self.model, self.device = model, model.device
         self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)
@@ -373,11 +373,12 @@ class BatchRunner:
                       file=progress, flush=True)
         if progress is not None and keys:
             print(file=progress)
-        return {"graphs": sum(g is not None for g in self.graphs.values()), "seconds": round(time.perf_counter() - t0, 2),
+        return {"graphs": sum(g is not None for g in self.graphs.values()),
+                "seconds": round(time.perf_counter() - t0, 2),
                 "failed": self.failures[:3]}
 
 
-# ---- rows of the state cache ------------------------------------------------------------------------------------------
+# ---- rows of the state cache --------------------------------------------------------------------------------------
 
 
 @dataclass(eq=False)
@@ -410,7 +411,8 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, max_piece: int) -> _
         return None
     from .index import plan_chunks
 
-    ends = plan_chunks(best.pos, state_len, stride=s.stride, tail=s.tail, align=s.align, max_chunk=cache.runner.max_chunk)
+    ends = plan_chunks(best.pos, state_len, stride=s.stride, tail=s.tail, align=s.align,
+                       max_chunk=cache.runner.max_chunk)
     todo, a = [], best.pos
     for e in ends:
         todo.append((a, e, True))
