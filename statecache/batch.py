@@ -185,7 +185,13 @@ class _Graph:
 
 
 class BatchRunner:
-    """Packed forwards of continuation pieces, from per-slot states (see the module docstring)."""
+    """Packed forwards of continuation pieces, from per-slot states (see the module docstring).
+
+    max_batch: sequences per forward (its slots are allocated up front: max_batch GDN states); max_tokens: packed
+    tokens per forward (default max_batch * max_piece); max_pos: the longest key span (sizes the span kernel's
+    splits); graphs: CUDA graphs (default on CUDA; they need the Triton kernels); pad: bucket the shapes (always with
+    graphs); pool: the graph memory pool to share; triton: the Triton batch kernels (default: where the kernels
+    object has statecache's short kernels, i.e. FlaKernels)."""
 
     def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
                  max_piece: int = MAX_PIECE, max_pos: int = 8192, graphs: bool | None = None, pad: bool | None = None,

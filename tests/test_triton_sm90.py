@@ -2,7 +2,8 @@
 Triton's own compiler and ptxas, ahead of time, at the 9B model's shapes and bf16. Catches what the interpreter
 cannot (types, layouts, the compiler's view of the VARLEN branches). The compiles run in a subprocess without
 TRITON_INTERPRET (which tests/conftest.py sets for this process). Skipped where this Triton cannot compile ahead of
-time for CUDA (its API, or no CUDA backend)."""
+time for CUDA (its API, or no CUDA backend). Another Triton (the GPU machine's 3.6) can be checked by running this
+file with it first on the path: `PYTHONPATH=/path/to/triton-3.6:. python tests/test_triton_sm90.py`."""
 
 from __future__ import annotations
 
