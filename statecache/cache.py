@@ -19,12 +19,16 @@ batching: statecache.engine decides which rows come here.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .index import Checkpoint, CheckpointIndex, plan_chunks
 from .runner import ChunkRunner
+
+log = logging.getLogger("statecache.cache")
 
 
 @dataclass
@@ -58,6 +62,8 @@ class StateCache:
             raise ValueError(f"max_slots {self.s.max_slots} > the runner's {runner.max_slots}")
         self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align)
         self.last_route = 0  # specialists: the route guessed for a row with no checkpoint
+        self.batch = None  # a statecache.batch.BatchRunner: enables rows_batched (trunk, text rows)
+        self.between: Callable[[], None] | None = None  # called between a row's state chunks (must not call row)
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
         self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "tokens_reused": 0,
                       "tokens_computed": 0, "ckpts_made": 0, "evicted": 0, "mispredict": 0}
@@ -171,6 +177,8 @@ class StateCache:
             if plant:
                 snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone(),
                               fsum.clone() if fsum is not None else None))
+            if self.between is not None:  # chunked prefill: short work that arrived meanwhile runs now
+                self.between()
         out = self.runner.run(ids, p, n, slots, nopts, route=route)
         if fsum is not None:
             fsum += fsum_buf
@@ -226,9 +234,22 @@ class StateCache:
             self.index.add_checkpoint(group, pos, parts, _nbytes(*parts), route=route)
             self.stats["ckpts_made"] += 1
 
+    @torch.no_grad()
+    def rows_batched(self, rows) -> list[Answer | None]:
+        """Rows [(ids, state_len, slots, nopts)] that continue from saved states, their short chunks run together in
+        packed forwards (statecache.batch) -> one Answer per row, or None for a row left to the caller (no checkpoint
+        to continue from, remaining work longer than a batch piece, no batch runner, or it failed). Grown states
+        plant their checkpoints as `row` does; the LRU is touched and enforced once at the end."""
+        if self.batch is None or self.s.mb <= 0:
+            return [None] * len(rows)
+        from .batch import rows_batched
+
+        return rows_batched(self, self.batch, rows, log)
+
     def clear(self) -> None:
         self.index.clear()
 
     def info(self) -> dict:
         return {**self.stats, **self.runner.stats, "checkpoints": len(self.index), "groups": self.index.n_groups,
-                "bytes": self.index.bytes, "mb": self.s.mb}
+                "bytes": self.index.bytes, "mb": self.s.mb,
+                **({"batch": dict(self.batch.stats, failed=self.batch.failures[:3])} if self.batch is not None else {})}

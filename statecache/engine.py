@@ -1,18 +1,22 @@
 """The engine: a batch of rows in, one result per row out, in order; the one object the worker's GPU thread drives.
 
 For each batch: validate (and tokenise text rows), answer exact repeats from the memo, group the rest by their
-aligned state tokens. A group whose state has a saved checkpoint runs through the state cache (restore, chunks).
-A group whose state is new asks the `cold_ok` policy (statecache.policy) once: if it may be planted, its first row
-runs in the batch's one packed forward (statecache.plain) together with the rows the cache cannot take, and that
-forward leaves the state's checkpoints and K/V (statecache.plant), which are planted as one group; the group's
-other rows then continue from them (hits) in the same call. A declined new state runs plain and plants nothing.
-So every forward plants, whatever the backlog. `waiting_rows` (the caller's view of the queue) only informs the
-policy. A bad row gets an error result; an exception while computing fails only the rows of that group (or of
-that packed forward). With a specialists folder (`specialists=`, checked in full before the weights load)
-every result names its `route`, and new states are planted through the state cache's own chunked path (their
-checkpoints carry a route and the router's feature sum), not the packed forward. Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
-"""
+aligned state tokens, then run them short work first (`_run`): the rows that continue from saved states go
+through one batched forward (statecache.batch; hits, and the first row of each grown state, which plants its
+new end); the rows the cache cannot take and the first row of each new state go through one packed forward
+(statecache.plain), which also leaves the new states' checkpoints and K/V (statecache.plant), planted as one
+group each; the rows behind grown and new states then continue from those checkpoints in a second batched call.
+What a batched call cannot take runs one row at a time through the state cache (restore, chunks). Whether a new
+state is planted is the `cold_ok` policy's decision (statecache.policy), asked once per new state; a declined
+state runs plain and plants nothing. So every forward plants, whatever the backlog; `waiting_rows` (the caller's
+view of the queue) only informs the policy.
 
+A bad row gets an error result; an exception while computing fails only the rows of that group (or of that
+packed forward; a batched call isolates a failing row). With a specialists folder (`specialists=`, checked in
+full before the weights load) every result names its `route`; new states then plant through the cache's own
+chunked path (their checkpoints carry a route and the router's feature sum) and rows continue one at a time.
+Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -62,7 +66,7 @@ class Engine:
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
-                 specialists=None, cache_fraction: float | None = None):
+                 specialists=None, cache_fraction: float | None = None, batch: int = 64):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -103,7 +107,10 @@ class Engine:
         self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks,
                                   specialists=self.specialists)
         self.cache = StateCache(self.runner, settings)
+        self.cache.batch = self._batch_runner(batch, max_pos) if batch > 0 else None
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
+        if self.precapture_info is not None and self.cache.batch is not None:
+            self.precapture_info["batch"] = self.cache.batch.precapture()
         if self.precapture_info is not None:
             info = self.precapture_info
             log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
@@ -144,18 +151,38 @@ class Engine:
         """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7; unset: sized
         from the device, STATECACHE_CACHE_FRACTION of its free memory, default 0.9); also
         STATECACHE_PRECAPTURE=0 (capture chunk graphs on first use instead of at start-up) and STATECACHE_COMPILE=0
-        (no torch.compile)."""
+        (no torch.compile), STATECACHE_BATCH (the most rows of saved states run in one batched forward; 0: one at
+        a time; default 64)."""
         fraction = os.environ.get("STATECACHE_CACHE_FRACTION")
         kw.setdefault("cache_fraction", float(fraction) if fraction else None)
         return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
                    os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None),
-                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "1") != "0", **kw)
+                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "1") != "0",
+                   batch=_env_int("STATECACHE_BATCH", 64), **kw)
+
+    def _batch_runner(self, max_batch: int, max_pos: int):
+        """The batched-continuation runner (statecache.batch), or None when it cannot run here: CUDA graphs need its
+        Triton kernels (fla's kernels object); eagerly (CPU) the torch loop serves. Trunk only: with specialists rows
+        continue one at a time (their routes)."""
+        from .batch import BatchRunner
+
+        if self.specialists is not None:
+            return None
+        try:
+            return BatchRunner(self.model, self.kernels, max_slots=self.runner.max_slots, max_batch=max_batch,
+                               max_pos=max_pos, pool=self.runner.pool, graphs=self.runner.use_graphs)
+        except Exception:  # noqa: BLE001 - rows then run one at a time
+            log.exception("no batched continuations")
+            return None
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
-    def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None) -> list[dict]:
+    def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None, between=None) -> list[dict]:
         """One result per row, in order. waiting_rows: rows queued behind this batch (for the cold_ok policy).
-        backed_up: the old signature's flag, accepted from callers not yet updated and ignored."""
+        between: called between the chunks of a long cached forward (a new state's), so the caller can answer rows
+        that arrived meanwhile with `answer_ready` (chunked prefill). backed_up: the old signature's flag, accepted
+        from callers not yet updated and ignored."""
+        self.cache.between = between
         results: list[dict | None] = [None] * len(rows)
         self.counts["batches"] += 1
         todo = []  # (index, row, memo key)
@@ -189,30 +216,115 @@ class Engine:
         return results  # type: ignore[return-value]
 
     def _run(self, todo, batch_rows: int, waiting_rows: int, results) -> None:
-        """Compute the distinct rows of a batch (see the module docstring for the order of the paths)."""
+        """Compute the distinct rows of a batch, short work first (see the module docstring):
+        1. one batched call (statecache.batch) for every row of a state saved at its end and the first row of each
+           grown state (it plants the state's end);
+        2. one packed forward for the rows the cache cannot take and the first row of each new state the cold_ok
+           policy lets plant (it plants); with a `between` hook (chunked prefill) it calls back every few layers,
+           so rows that arrive meanwhile and continue from saved states are answered there;
+        3. a second batched call for the rows behind grown and new states (now hits);
+        4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
         groups, plain = self._groups(todo)
-        cached, planting = [], []  # groups with a saved state; groups of new states the policy lets plant
+        saved, grown, planting, chunked = [], [], [], []  # groups of rows (i, row, key)
         for members in groups.values():
-            if self._has_state(members[0][1]):
-                cached.append(members)
+            row = members[0][1]
+            best = self.cache.index.lookup(row["ids"], limit=self._p(row))
+            if best is not None:
+                (saved if best.pos == self._p(row) else grown).append(members)
             elif self._plant_ok(members, batch_rows, waiting_rows):
                 # with specialists a new state plants through the cache's chunked path (route-aware checkpoints)
-                (cached if self.specialists is not None else planting).append(members)
+                (chunked if self.specialists is not None else planting).append(members)
             else:
                 self.counts["declined"] += 1
                 plain += members
-        # one packed forward: the rows the cache does not take, and the first row of each new state (which plants)
-        self._plain(plain, results, [m[0] for m in planting])
-        for members in cached + [m[1:] for m in planting]:
+        later: list = []  # rows a batched call left
+        if self.cache.batch is not None:
+            later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results)
+        else:
+            chunked = saved + grown + chunked
+        self._plain(plain, results, [g[0] for g in planting])
+        if self.cache.batch is not None:
+            later += self._batched([m for g in grown + planting for m in g[1:]], results)
+        else:
+            chunked += [g[1:] for g in planting]
+        for members in chunked + ([later] if later else []):
+            self._one_by_one(members, results)
+
+    def _one_by_one(self, members, results) -> None:
+        """Rows through the cache one at a time (`_cached_group`); what it declines goes plain; a failure fails only
+        these rows."""
+        try:
+            plain_later = self._cached_group(members, results)
+        except Exception as e:  # noqa: BLE001
+            log.exception("cached path failed")
+            plain_later = []
+            for i, _, _ in members:
+                if results[i] is None:
+                    results[i] = self._error("internal", f"{type(e).__name__}: {e}")
+        self._plain(plain_later, results)
+
+    def _p(self, row) -> int:
+        return row["state_len"] - row["state_len"] % self.cache.s.align
+
+    def _batched(self, items, results) -> list:
+        """Rows (i, row, memo key) that continue from saved states, through one StateCache.rows_batched call (each
+        distinct row once) -> the rows it left (for the cache one at a time)."""
+        todo, uniq = [], {}
+        for i, row, key in items:
+            if results[i] is not None:
+                continue
+            if (hit := self._memo(key)) is not None:
+                results[i] = hit
+            elif key in uniq:
+                uniq[key][1].append(i)
+            else:
+                uniq[key] = (row, [i])
+                todo.append(key)
+        if not todo:
+            return []
+        try:
+            answers = self.cache.rows_batched([(uniq[k][0]["ids"], uniq[k][0]["state_len"], uniq[k][0]["slots"],
+                                                uniq[k][0]["nopts"]) for k in todo])
+        except Exception:  # noqa: BLE001 - the rows go one at a time instead
+            log.exception("batched rows failed")
+            answers = [None] * len(todo)
+        left = []
+        for key, ans in zip(todo, answers):
+            row, where = uniq[key]
+            if ans is None:
+                left += [(i, row, key) for i in where]
+                continue
+            res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+            self.memo.put(key, res)
+            for n, i in enumerate(where):
+                results[i] = res if n == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
+        return left
+
+    def answer_ready(self, rows: list) -> list[dict | None]:
+        """The rows that can be answered without a long forward, now: bad rows (their error), memo answers and rows
+        that continue from saved states (one batched call); None for the others (give them to `answer` later).
+        Safe to call from `answer`'s `between` hook: it never runs a row's own chunked forward."""
+        results: list[dict | None] = [None] * len(rows)
+        items = []
+        for i, raw in enumerate(rows):
             try:
-                plain_later = self._cached_group(members, results)
+                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer)
+            except RowError as e:
+                results[i] = self._error(e.code, e.message)
+                continue
             except Exception as e:  # noqa: BLE001
-                log.exception("cached path failed")
-                plain_later = []
-                for i, _, _ in members:
-                    if results[i] is None:
-                        results[i] = self._error("internal", f"{type(e).__name__}: {e}")
-            self._plain(plain_later, results)
+                results[i] = self._error("bad_row", f"{type(e).__name__}: {e}")
+                continue
+            key = row_key(row["ids"], row["slots"], row["nopts"])
+            if (hit := self._memo(key)) is not None:
+                results[i] = hit
+            elif self.cache.batch is not None and self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
+                items.append((i, row, key))
+        self.counts["rows"] += sum(r is not None for r in results)
+        if items:
+            self._batched(items, results)
+            self.counts["rows"] += sum(results[i] is not None for i, _, _ in items)
+        return results
 
     def _groups(self, todo) -> tuple["OrderedDict[tuple, list]", list]:
         """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
@@ -228,11 +340,6 @@ class Engine:
             p = row["state_len"] - row["state_len"] % align
             groups.setdefault(tuple(row["ids"][:p]), []).append(item)
         return groups, plain
-
-    def _has_state(self, row) -> bool:
-        """Does the cache hold a checkpoint this row's state can continue from?"""
-        p = row["state_len"] - row["state_len"] % self.cache.s.align
-        return self.cache.index.lookup(row["ids"], limit=p) is not None
 
     def _plant_ok(self, members, batch_rows: int, waiting_rows: int) -> bool:
         """The cold_ok policy, asked once for a new state (the group's shared state)."""
@@ -274,7 +381,8 @@ class Engine:
             return
         plans = [self.cache.plan(r["state_len"]) if plant else None for r, _, plant in unique.values()]
         try:
-            outs, planted = self.plain.run([(r["ids"], r["slots"], r["nopts"]) for r, _, _ in unique.values()], plans)
+            outs, planted = self.plain.run([(r["ids"], r["slots"], r["nopts"]) for r, _, _ in unique.values()], plans,
+                                            between=self.cache.between)
         except Exception as e:  # noqa: BLE001
             log.exception("plain path failed")
             for _, idx, _ in unique.values():

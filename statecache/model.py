@@ -179,6 +179,8 @@ class Qwen35:
                 h, x = self.add_norm(h, d, layers[i + 1].in_norm, self.eps)
             else:
                 h = h + d
+            if (after := getattr(mix, "after_layer", None)) is not None:
+                after(i)
         return h
 
     def letter_probs(self, h: torch.Tensor, nopts: torch.Tensor) -> torch.Tensor:

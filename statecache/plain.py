@@ -77,11 +77,12 @@ class PlainPath:
         return self.run(rows)[0]
 
     @torch.no_grad()
-    def run(self, rows: list[tuple[list[int], list[int], list[int]]], plans: list[list[int] | None] | None = None
-            ) -> tuple[list[tuple[list[list[float]], int | None]], list[Planted | None]]:
+    def run(self, rows: list[tuple[list[int], list[int], list[int]]], plans: list[list[int] | None] | None = None,
+            between=None) -> tuple[list[tuple[list[list[float]], int | None]], list[Planted | None]]:
         """rows: (ids, slots, nopts) each; plans: per row its checkpoint positions (ascending, in (0, len(ids)]) or
         None -> (per row (per slot the option probabilities, its route or None); per row its Planted, None where its
-        plan was). Planting is trunk only: with specialists, plans must all be None."""
+        plan was). Planting is trunk only: with specialists, plans must all be None. between: called every few
+        layers of a packed forward (chunked prefill: the caller answers short work that arrived meanwhile)."""
         plans = plans if plans is not None else [None] * len(rows)
         if len(plans) != len(rows):
             raise ValueError(f"{len(plans)} plans for {len(rows)} rows")
@@ -102,12 +103,12 @@ class PlainPath:
                 if got is not None:
                     results[batch[0]], planted[batch[0]] = (got[0], None), got[1]
                     continue
-            self._packed(rows, batch, results, plans, planted)
+            self._packed(rows, batch, results, plans, planted, between)
         return results, planted
 
     # ---- packed ---------------------------------------------------------------------------------------------------
 
-    def _packed(self, rows, batch: list[int], results: list, plans=None, planted=None) -> None:
+    def _packed(self, rows, batch: list[int], results: list, plans=None, planted=None, between=None) -> None:
         dev = self.model.device
         ids = torch.tensor([t for i in batch for t in rows[i][0]], dtype=torch.long)
         lens = [len(rows[i][0]) for i in batch]
@@ -124,6 +125,7 @@ class PlainPath:
                              len(cfg.full_layers))
         else:
             mix = PackedMixer(self.kernels, cu, max(lens))
+        mix.every_layers = between
         lora = None
         if self.spec is not None:
             seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)

@@ -138,7 +138,7 @@ def test_a_backlog_still_plants_and_later_rows_hit(engine):
     S, T, U = toks(300, 7), toks(320, 8), toks(280, 9)
     runs = []
     real = eng.plain.run
-    eng.plain.run = lambda rows, plans=None: runs.append(plans) or real(rows, plans)
+    eng.plain.run = lambda rows, plans=None, **kw: runs.append(plans) or real(rows, plans, **kw)
     res = eng.answer([row(S, 10, 1)], waiting_rows=10_000)
     assert paths(res) == ["cold"] and len(eng.cache.index) == 2  # planted from the packed forward
     assert len(runs) == 1 and runs[0] == [[192, 256]]  # stride 192 and p - tail (240 -> 192), p
@@ -231,7 +231,7 @@ def test_bad_rows_get_errors_and_the_rest_is_answered(engine):
 
 
 def test_a_failure_while_computing_fails_only_that_group(engine, monkeypatch):
-    eng = engine()
+    eng = engine(batch=0)  # rows one at a time through cache.row (a failing batched row: tests/test_batch.py)
     S, T = toks(300, 22), toks(300, 23)
     real = eng.cache.row
 
@@ -252,7 +252,7 @@ def test_a_failing_packed_forward_fails_its_rows_and_the_rest_goes_on(engine, mo
     eng = engine()
     S = toks(300, 25)
 
-    def fail(rows, plans=None):
+    def fail(rows, plans=None, **kw):
         raise RuntimeError("packed boom")
 
     monkeypatch.setattr(eng.plain, "run", fail)
@@ -351,3 +351,100 @@ def test_score_cli_precapture_flag_and_budget_line(monkeypatch, capsys):
         out, err = capsys.readouterr()
         assert seen["precapture"] is want and json.loads(out)["path"] == "cold"
         assert "state cache budget 1024 MiB" in err and "cpu default" in err
+
+
+def test_rows_of_saved_states_run_batched(engine):
+    """A drained batch: rows of states with checkpoints (hits, a grown state) run as one batched call; a new state's
+    first row plants alone and the rows behind it run in a second call; STATECACHE_BATCH=0's engine answers alike."""
+    eng = engine()
+    a, b, c = toks(300, 21), toks(200, 22), toks(260, 23)
+    check(eng, [row(a, 5, 1), row(b, 5, 2)], eng.answer([row(a, 5, 1), row(b, 5, 2)]))
+    forwards = eng.cache.batch.stats["forwards"]
+    grown = b + toks(70, 5)  # p 256 from b's 192
+    rows = [row(a, 9, 3), row(c, 7, 4), row(grown, 6, 5), row(c, 12, 6), row(a, 20, 7, (3, 5)), row(c, 4, 8),
+            row(grown, 11, 9)]
+    res = eng.answer(rows)
+    check(eng, rows, res)
+    assert paths(res) == ["hit", "cold", "partial", "hit", "hit", "hit", "hit"]  # the grown state planted once
+    assert eng.cache.stats["batched"] == 6
+    # first call: the grown state's planting piece, then the questions; second call: the rows behind c and grown
+    assert eng.cache.batch.stats["forwards"] - forwards == 3
+    solo = engine(batch=0)
+    assert solo.cache.batch is None
+    check(solo, rows, solo.answer(rows))
+
+
+def test_hits_answered_between_the_chunks_of_a_new_state(engine):
+    """Chunked prefill: while a new state's long forward runs, `between` answers rows of saved states that arrived
+    meanwhile (answer_ready); a row that needs a long forward of its own is left for later (None)."""
+    eng = engine(settings=CacheSettings(min_prefix=64, stride=128))
+    a = toks(300, 31)
+    eng.answer([row(a, 5, 1)])
+    hit, new = row(a, 9, 2), row(toks(200, 33), 4, 3)
+    got = []
+
+    def between():
+        if not got:
+            got.extend(eng.answer_ready([hit, new, {"ids": [1]}]))
+
+    long_row = row(toks(700, 32), 6, 4)  # chunks end at 128, 256, ..., 640: `between` runs after each
+    res = eng.answer([long_row], waiting_rows=1, between=between)
+    check(eng, [long_row], res)
+    assert paths(res) == ["cold"]
+    assert got[0]["path"] == "hit" and got[1] is None and got[2]["error"]["code"]
+    check(eng, [hit], got[:1])
+
+
+def test_gpu_thread_answers_hits_between_chunks():
+    """The GPU thread hands `between` to the engine: a hit queued behind a long new state is answered inside
+    that batch, the rest of the queue stays for the next."""
+    import asyncio
+    import threading
+
+    from statecache.engine import Engine
+    from worker.gpu_thread import GpuThread
+
+    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128))
+    queued, busy, seen = threading.Event(), threading.Event(), threading.Event()
+
+    class Gated:  # the real engine; its batch's first `between` waits until a row has queued behind the batch,
+        def answer(self, rows, backed_up=False, between=None):  # the next ones until that row's answer arrived
+            calls = []
+
+            def gated():
+                busy.set()
+                (seen if calls else queued).wait(10)
+                calls.append(1)
+                between()
+            return eng.answer(rows, between=gated if between else None)
+
+        def answer_ready(self, rows):
+            return eng.answer_ready(rows)
+
+    a = toks(300, 41)
+    gpu = GpuThread(lambda: Gated())
+    gpu.start()
+
+    async def main():
+        queued.set()
+        seen.set()
+        await gpu.answer(row(a, 5, 1))  # plants a (its own `between` calls find nothing queued)
+        busy.clear()
+        seen.clear()
+        queued.clear()
+        long_task = asyncio.ensure_future(gpu.answer(row(toks(700, 42), 6, 2)))
+        while not busy.is_set():
+            await asyncio.sleep(0.005)
+        hit_task = asyncio.ensure_future(gpu.answer(row(a, 9, 3)))
+        while gpu.pending() == 0:
+            await asyncio.sleep(0.005)
+        queued.set()
+        hit = await hit_task
+        assert not long_task.done()  # answered while the long forward still runs
+        seen.set()
+        return hit, await long_task
+
+    hit, long_res = asyncio.run(main())
+    assert gpu.stop(5)
+    assert hit["path"] == "hit" and long_res["path"] == "cold"
+    assert gpu.counters["between_rows"] == 1 and gpu.counters["batches"] == 2

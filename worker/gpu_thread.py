@@ -5,7 +5,9 @@ Jobs put `(row, future)` on a thread-safe queue and await the future. The thread
 is ready (up to `max_batch_rows`), ask `backed_up(rows waiting)` once for the batch, call
 `engine.answer(rows, backed_up=...)` once, and resolve each future with `loop.call_soon_threadsafe`.
 Grouping by shared state, the memo and the paths are the engine's business; handing it the whole drained
-batch at once is this thread's.
+batch at once is this thread's. While a batch runs a long forward, the engine calls back between its chunks
+(`between`); rows that arrived meanwhile and can be answered at once (`engine.answer_ready`: memo answers,
+continuations of saved states) are answered then, the rest wait for the next batch (chunked prefill).
 
 The worker never dies of a row: if the engine raises on a batch, the rows are retried one at a time and a
 row that still raises gets an `internal` error result (the engine's own code for a failed computation).
@@ -17,6 +19,7 @@ Knows the engine contract (`answer`, `stats`) and asyncio futures; does not know
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -178,10 +181,53 @@ class GpuThread:
             item.resolve(result)
 
     def _call(self, rows: list, backed_up: bool) -> list[dict]:
-        results = list(self.engine.answer(rows, backed_up=backed_up))
+        if self._chunked():  # chunked prefill: rows of saved states that arrive meanwhile go between chunks
+            results = list(self.engine.answer(rows, backed_up=backed_up, between=self._between))
+        else:
+            results = list(self.engine.answer(rows, backed_up=backed_up))
         if len(results) != len(rows):
             raise RuntimeError(f"engine returned {len(results)} results for {len(rows)} rows")
         return results
+
+    def _chunked(self) -> bool:
+        """Does the engine take a `between` callback and answer rows between chunks (`answer_ready`)?"""
+        if not hasattr(self, "_chunked_ok"):
+            try:
+                takes = "between" in inspect.signature(self.engine.answer).parameters
+            except (TypeError, ValueError):
+                takes = False
+            self._chunked_ok = takes and callable(getattr(self.engine, "answer_ready", None))
+        return self._chunked_ok
+
+    def _between(self) -> None:
+        """Called by the engine between the chunks of a long forward: the rows that arrived meanwhile and can be
+        answered at once (`engine.answer_ready`: memo, batched continuations of saved states) are answered and
+        resolved now; the others go back to the front of the queue, in order, for the next batch."""
+        with self._cv:
+            if not self._items or self._stopping:
+                return
+            taken = [it for it in self._items if it.kind == "row" and not it.fut.cancelled()][: self._max_batch_rows]
+            if not taken:
+                return
+            ids = {id(it) for it in taken}
+            self._items = deque(it for it in self._items if id(it) not in ids)
+        try:
+            results = list(self.engine.answer_ready([it.payload for it in taken]))
+            if len(results) != len(taken):
+                raise RuntimeError(f"answer_ready returned {len(results)} results for {len(taken)} rows")
+        except Exception:  # noqa: BLE001 - they wait for the next batch instead
+            log.exception("answering rows between chunks failed")
+            results = [None] * len(taken)
+        back = []
+        for item, result in zip(taken, results):
+            if result is None:
+                back.append(item)
+            else:
+                item.resolve(result)
+        self.counters["between_rows"] = self.counters.get("between_rows", 0) + len(taken) - len(back)
+        if back:
+            with self._cv:
+                self._items.extendleft(reversed(back))
 
     def _answer(self, rows: list, backed_up: bool) -> list[dict]:
         try:
