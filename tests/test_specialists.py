@@ -554,6 +554,13 @@ def test_attach_folds_the_adapters_into_the_weights():
     assert W_ext.shape == (lay.out + (len(ROUTES) - 1) * lay.rb, lay.fin)
     spec.lora.attach(weights)
     assert spec.lora.extended(key, spec.lora.weight(weights, key)) is W_ext  # no rebuild
+    other = load_specialists(sd, load_config(md))  # another StackedLora taking the same weights over
+    other.lora.attach(weights)
+    assert not spec.lora.attached(weights) and other.lora.attached(weights) and not spec.lora._ext
+    assert torch.equal(spec.lora.weight(weights, key), before)
+    spec.lora.attach(weights)
+    assert not other.lora._ext
+    W = spec.lora.weight(weights, key)
     first = FixedRoute(spec.lora, spec.router, torch.tensor([1]))
     FixedRoute(spec.lora, spec.router, torch.tensor([2]))
     with pytest.raises(RuntimeError, match="rewritten"):

@@ -175,7 +175,10 @@ class StackedLora:
                 raise ValueError(f"specialists site {key}: the model's weight is {W.dtype} on {W.device}, the "
                                  f"adapters were loaded as {self.dtype} on {self.device}")
         Rp = self.n_routes - 1
-        self._ext = {}
+        self.release()
+        prev = getattr(weights, "_statecache_lora", None)  # the StackedLora these weights were attached to
+        if prev is not None and prev() is not None:
+            prev().release()  # its extended weights are about to be replaced: do not hold them
         for key, lay in self.layout.items():
             obj, field = self._home(weights, key)
             W = getattr(obj, field)
@@ -186,6 +189,11 @@ class StackedLora:
             self._ext[key] = W_ext
             del W
         self._weights = weakref.ref(weights)
+        weights._statecache_lora = weakref.ref(self)
+
+    def release(self) -> None:
+        """Forget the weights attached (their views keep what they still use); the next forward re-attaches."""
+        self._ext, self._weights = {}, None
 
     def extended(self, key: tuple[int, str], W: torch.Tensor) -> torch.Tensor:
         """W_ext of a site, checked to be the one the model's W [out, in] is a view of."""
