@@ -15,7 +15,10 @@ Measured (wall milliseconds per row, synchronised, median; and the hit's chunk g
   then the whole row again from nothing);
 - the plain path (one 4160-token row as one graph) with and without specialists (--skip-plain to leave out);
 - bf16 agreement: the specialists hit against the plain path with specialists (max |dp|);
-- diagnostics: the LoRA terms of every site alone as one graph, and profiler tables (profile_*.txt) of both hits.
+- the folded projections (statecache.specialists.lora: A in the extended weight, B by one addmm) against the
+  unfolded sum in float32, every site, fixed and per-token routes (relative error);
+- diagnostics: every adapted site's projections alone as one graph, the trunk's, with a fixed route and with a route
+  per token (the LoRA terms alone: the difference), and profiler tables (profile_*.txt) of both hits.
 Writes <out>/gpu_specialists.json.
 
   python3 bench/gpu_specialists.py --out $OUT                       # the device machine (H200)
@@ -101,24 +104,69 @@ def profile(out: Path, tag: str, fn) -> None:
                                                     and "cuda" in str(e.device_type).lower())
 
 
-def lora_only_ms(spec: Specialists, cfg, dev, dtype, T: int) -> float | None:
-    """GPU milliseconds of the LoRA terms alone, every site of one forward on random inputs (one route gathered, as
-    a chunk does), captured as one CUDA graph."""
+def lora_only_ms(spec: Specialists, model, dev, dtype, T: int) -> dict:
+    """GPU milliseconds of every adapted site's projections of one forward on random inputs [T, in], each way
+    captured as one CUDA graph: the trunk's x @ W.T; the specialists' with a fixed route (B masked once, then per
+    site the extended GEMM and one addmm: the chunk runner's path); with a route per token (one mask more per site:
+    batched hits, packed plain rows). The LoRA terms alone: the difference to the trunk's."""
     from gpu_timing import replay_median_ms
 
-    from statecache.specialists import FixedRoute
-
-    route = torch.ones(1, dtype=torch.long, device=dev)
-    xs = {key: torch.randn(T, fin, device=dev, dtype=dtype) for key, (_, _, fin, _, _) in spec.lora.layout.items()}
-    ys = {key: torch.randn(T, out, device=dev, dtype=dtype) for key, (_, _, _, _, out) in spec.lora.layout.items()}
-
-    def fn():
-        b = FixedRoute(spec.lora, spec.router, route)
-        return [b.apply(i, site, xs[(i, site)], ys[(i, site)]) for i, site in spec.lora.layout]
     from statecache.graphs import capture
+    from statecache.specialists import FixedRoute, TokenRoutes
 
-    graph, _ = capture(fn, torch.cuda.graph_pool_handle())
-    return round(replay_median_ms(graph, 20), 3)
+    lora = spec.lora
+    keys = list(lora.layout)
+    Ws = {key: lora.weight(model.w, key) for key in keys}
+    xs = {key: torch.randn(T, lora.layout[key].fin, device=dev, dtype=dtype) for key in keys}
+    route = torch.ones(1, dtype=torch.long, device=dev)
+    tok = torch.arange(T, device=dev) % lora.n_routes
+
+    def trunk():
+        return [xs[key] @ Ws[key].T for key in keys]
+
+    def fixed():
+        b = FixedRoute(lora, spec.router, route)
+        return [b.project(*key, xs[key], Ws[key]) for key in keys]
+
+    def tokens():
+        b = TokenRoutes(lora, spec.router, tok)
+        return [b.project(*key, xs[key], Ws[key]) for key in keys]
+    out = {}
+    for name, fn in (("trunk", trunk), ("fixed_route", fixed), ("token_routes", tokens)):
+        graph, _ = capture(fn, torch.cuda.graph_pool_handle())
+        out[f"{name}_projections_ms"] = round(replay_median_ms(graph, 20), 3)
+        del graph
+    out["lora_terms_only_graph_ms"] = round(out["fixed_route_projections_ms"] - out["trunk_projections_ms"], 3)
+    out["lora_terms_token_routes_ms"] = round(out["token_routes_projections_ms"] - out["trunk_projections_ms"], 3)
+    out["sites"] = len(keys)
+    return out
+
+
+def project_check(spec: Specialists, model, dev, dtype, T: int) -> dict:
+    """The folded projections against the unfolded sum x @ W.T + (x @ A_r.T) @ B_r.T computed in float32 from the
+    same (model-dtype) weights, every site, a fixed route r = 1..R-1 and a route per token: the largest |difference|
+    relative to the largest |reference| per site (bf16 round-off only)."""
+    from statecache.specialists import FixedRoute, TokenRoutes
+
+    lora = spec.lora
+    Rp = lora.n_routes - 1
+    worst = {"fixed_route": 0.0, "token_routes": 0.0}
+    tok = torch.arange(T, device=dev) % lora.n_routes
+    for key, lay in lora.layout.items():
+        W = lora.weight(model.w, key)
+        x = torch.randn(T, lay.fin, device=dev, dtype=dtype)
+        xa = x.float() @ lora.extended(key, W)[lay.out:].float().T  # [T, Rp * rb]: every route's x @ A_k.T
+        B = lora._B[key].float().view(Rp, lay.rb, lay.out)
+        base = x.float() @ W.float().T
+        refs = [base] + [base + xa[:, (k - 1) * lay.rb: k * lay.rb] @ B[k - 1] for k in range(1, Rp + 1)]
+        for r in range(1, Rp + 1):
+            got = FixedRoute(lora, spec.router, torch.tensor([r], device=dev)).project(*key, x, W).float()
+            worst["fixed_route"] = max(worst["fixed_route"],
+                                       ((got - refs[r]).abs().max() / refs[r].abs().max()).item())
+        want = torch.stack(refs)[tok, torch.arange(T, device=dev)]
+        got = TokenRoutes(lora, spec.router, tok).project(*key, x, W).float()
+        worst["token_routes"] = max(worst["token_routes"], ((got - want).abs().max() / want.abs().max()).item())
+    return {k: float(f"{v:.3g}") for k, v in worst.items()}
 
 
 def maxdiff(a, b):
@@ -242,10 +290,13 @@ def run(args):
     if dev.type == "cuda" and R["trunk_hit_graph_ms"]:
         R["spec_vs_trunk_graph"] = {r: round(v / R["trunk_hit_graph_ms"], 3) for r, v in R["spec_hit_graph_ms"].items() if v}
     R["spec_vs_trunk_worst"] = max(R["spec_vs_trunk"].values())
+    R["project_vs_unfolded_rel"] = project_check(spec, model, dev, dtype, Q)
+    log("folded projections vs the unfolded sum (relative)", R["project_vs_unfolded_rel"])
     if dev.type == "cuda":
         try:
-            R["lora_terms_only_graph_ms"] = lora_only_ms(spec, cfg, dev, dtype, Q)
-            log("the LoRA terms alone (every site, one graph)", R["lora_terms_only_graph_ms"], "ms")
+            R["projections"] = lora_only_ms(spec, model, dev, dtype, Q)
+            R["lora_terms_only_graph_ms"] = R["projections"]["lora_terms_only_graph_ms"]
+            log("the adapted sites' projections (one graph each way)", R["projections"])
             if not args.skip_profile:
                 profile(Path(args.out), "trunk_hit", lambda: hit(trunk))
                 profile(Path(args.out), "spec_hit", lambda: hit(special))

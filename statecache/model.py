@@ -124,9 +124,7 @@ class Qwen35:
         assert isinstance(m, GdnWeights)
         T = x.shape[0]
         C, vd, Hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
-        y = x @ m.in_w.T
-        if lora is not None:
-            y = lora.apply(i, "in", x, y)
+        y = x @ m.in_w.T if lora is None else lora.project(i, "in", x, m.in_w)
         qkv, z, b, a = torch.split(y, [C, vd, Hv, Hv], dim=-1)  # [T, C], [T, vd], [T, Hv] x2
         qkv = mix.conv(self.slot[i], qkv, m.conv_w)  # [T, C] after SiLU
         q, k, v = torch.split(qkv, [cfg.key_dim, cfg.key_dim, vd], dim=-1)
@@ -137,15 +135,13 @@ class Qwen35:
         o = mix.delta(self.slot[i], q, k, v, g, beta)  # [T, Hv, Dv]
         o = self.gnorm(o, z.reshape(T, Hv, -1), m.norm_w, self.eps)
         o = o.reshape(T, vd)
-        return o @ m.out_w.T if lora is None else lora.apply(i, "out", o, o @ m.out_w.T)
+        return o @ m.out_w.T if lora is None else lora.project(i, "out", o, m.out_w)
 
     def attn(self, i: int, x: torch.Tensor, mix, rope, lora=None) -> torch.Tensor:
         cfg, m = self.cfg, self.w.layers[i].mixer
         assert isinstance(m, AttnWeights)
         T, Hq, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        y = x @ m.qkv_w.T
-        if lora is not None:
-            y = lora.apply(i, "qkv", x, y)
+        y = x @ m.qkv_w.T if lora is None else lora.project(i, "qkv", x, m.qkv_w)
         qg, k, v = torch.split(y, [2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = torch.chunk(qg.view(T, Hq, 2 * D), 2, dim=-1)  # [T, Hq, D] each
         cos, sin = rope
@@ -153,14 +149,17 @@ class Qwen35:
         k = self.qk_prep(k.view(T, Hkv, D), m.k_norm, cos, sin, self.eps)
         o = mix.attend(self.slot[i], q, k, v.view(T, Hkv, D), D**-0.5)  # [T, Hq, D]
         o = self.gate_out(o, gate)
-        return o @ m.o_w.T if lora is None else lora.apply(i, "o", o, o @ m.o_w.T)
+        return o @ m.o_w.T if lora is None else lora.project(i, "o", o, m.o_w)
 
     def body(self, ids: torch.Tensor, pos: torch.Tensor, mix, lora=None) -> torch.Tensor:
         """ids, pos [T] -> the last layer's hidden states [T, H] (before the final norm).
 
         Each residual add is fused with the norm after it, so x is always the normed input of the next block.
-        lora: None (the trunk), or a specialists binding (statecache.specialists.lora): it is handed the hidden state
-        entering its router's layer (`feature`) and adds its routes' LoRA terms at every projection (`apply`)."""
+        lora: None (the trunk), or a specialists binding (statecache.specialists.lora): it is attached to the weights
+        (`attach`, a no-op once done), handed the hidden state entering its router's layer (`feature`) and does every
+        projection, its routes' LoRA terms included (`project(i, site, x, W)` in place of x @ W.T)."""
+        if lora is not None:
+            lora.attach(self.w)
         layers = self.w.layers
         h = self.w.embed.index_select(0, ids).to(self.hdtype)  # [T, H]
         rope = self.rope(pos)
@@ -173,8 +172,7 @@ class Qwen35:
             if lora is None:
                 d = self.act(x @ L.gate_up_w.T) @ L.down_w.T
             else:
-                a = self.act(lora.apply(i, "gate_up", x, x @ L.gate_up_w.T))
-                d = lora.apply(i, "down", a, a @ L.down_w.T)
+                d = lora.project(i, "down", self.act(lora.project(i, "gate_up", x, L.gate_up_w)), L.down_w)
             if i + 1 < len(layers):
                 h, x = self.add_norm(h, d, layers[i + 1].in_norm, self.eps)
             else:

@@ -42,6 +42,8 @@ class PlainPath:
                  plant_graphs: bool = False):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.spec = specialists  # statecache.specialists.Specialists | None
+        if specialists is not None:  # fold the adapters into the weights now, before any graph is captured
+            specialists.lora.attach(model.w)
         self.use_graphs = (model.device.type == "cuda") if graphs is None else graphs
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)  # single rows padded to `bucket`
         self.bucket, self.max_graph_tokens = bucket, max_graph_tokens

@@ -56,6 +56,8 @@ class ChunkRunner:
         # specialists (statecache.specialists.Specialists | None): every chunk runs with the route in its inputs and
         # leaves its real tokens' router feature sum in `fsum` [H] (float32)
         self.spec = specialists
+        if specialists is not None:  # fold the adapters into the weights now, before any graph is captured
+            specialists.lora.attach(model.w)
         self.fsum = torch.zeros(model.cfg.hidden_size, device=model.device) if specialists is not None else None
         self.device = model.device
         self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs

@@ -439,3 +439,129 @@ def test_an_adapter_folder_that_is_no_route_is_reported(tmp_path, caplog):
         spec = load_specialists(d, model.cfg)
     assert spec.names == list(ROUTES)
     assert "['delta'] are not routes" in caplog.text
+
+
+# ---- the projection path: adapters folded into the projections ------------------------------------------------------
+
+
+def _peft_site(ref: SpecReference, cfg, i: int, site: str, x: torch.Tensor, route: int) -> torch.Tensor:
+    """peft's own output of one fused site: its modules' forwards (LoRA layers of the reference PeftModel with the
+    route's adapter active, adapters disabled for the trunk) concatenated in the fused row order."""
+    from statecache.specialists import site_modules
+
+    block, mods, _ = site_modules(cfg, i)[site]
+    layer = ref.pm.get_submodule(f"base_model.model.model.layers.{i}.{block}")
+    with torch.no_grad():
+        if route == 0:
+            with ref.pm.disable_adapter():
+                return torch.cat([getattr(layer, m)(x) for m, _ in mods], -1)
+        ref.pm.set_adapter(ref.names[route])
+        return torch.cat([getattr(layer, m)(x) for m, _ in mods], -1)
+
+
+def test_projections_equal_peft_per_site_and_route():
+    """Every adapted site (and an unadapted one) through the folded projection: FixedRoute for each route, and
+    TokenRoutes with a random route per token, equal peft's LoRA layers with that route's adapter (1e-5)."""
+    from statecache.specialists import FixedRoute, TokenRoutes
+
+    _, _, model, spec = world()
+    ref = reference_model()
+    cfg = model.cfg
+    spec.lora.attach(model.w)
+    g = torch.Generator().manual_seed(11)
+    keys = sorted(spec.lora.layout) + [(0, "in"), (0, "down")]  # layer 0 sits below the router: no adapter
+    assert (0, "in") not in spec.lora.layout
+    tok = torch.randint(0, len(ROUTES), (9,), generator=g)
+    for i, site in keys:
+        W = spec.lora.weight(model.w, (i, site))
+        x = torch.randn(9, W.shape[1], generator=g)
+        want = torch.stack([_peft_site(ref, cfg, i, site, x, r) for r in range(len(ROUTES))])  # [R, T, out]
+        for r in range(len(ROUTES)):
+            got = FixedRoute(spec.lora, spec.router, torch.tensor([r])).project(i, site, x, W)
+            assert (got - want[r]).abs().max() <= 1e-5, (i, site, r)
+        mixed = TokenRoutes(spec.lora, spec.router, tok).project(i, site, x, W)
+        assert (mixed - want[tok, torch.arange(9)]).abs().max() <= 1e-5, (i, site)
+    # the adapters differ by route where they act (else the test shows little)
+    W = spec.lora.weight(model.w, (3, "gate_up"))
+    x = torch.randn(4, W.shape[1], generator=g)
+    outs = [FixedRoute(spec.lora, spec.router, torch.tensor([r])).project(3, "gate_up", x, W) for r in (0, 1, 3)]
+    assert (outs[0] - outs[1]).abs().max() > 1e-3 and (outs[1] - outs[2]).abs().max() > 1e-3
+
+
+def _ops(fn) -> list[str]:
+    """The non-view aten ops fn runs (each a kernel on the GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+def test_projection_kernels_per_site():
+    """The work per site: a fixed route costs one GEMM with the extended weight and one addmm (its route masked once
+    per forward: a comparison and one multiply per block size); token routes one mask more; no adapter: one GEMM."""
+    from statecache.specialists import FixedRoute, TokenRoutes
+
+    _, _, model, spec = world()
+    spec.lora.attach(model.w)
+    lora = spec.lora
+    route = torch.tensor([2])
+    assert _ops(lambda: FixedRoute(lora, spec.router, route)) == ["eq"] + ["mul"] * len(lora.B_src)
+    fixed = FixedRoute(lora, spec.router, route)
+    tokens = TokenRoutes(lora, spec.router, torch.tensor([0, 1, 2, 3, 1]))
+    for key in lora.layout:
+        W = lora.weight(model.w, key)
+        x = torch.randn(5, W.shape[1])
+        assert _ops(lambda: fixed.project(*key, x, W)) == ["mm", "addmm_"], key
+        assert _ops(lambda: tokens.project(*key, x, W)) == ["mm", "mul", "addmm_"], key
+    W = lora.weight(model.w, (0, "gate_up"))
+    x = torch.randn(5, W.shape[1])
+    assert _ops(lambda: fixed.project(0, "gate_up", x, W)) == ["mm"]
+
+
+def test_attach_folds_the_adapters_into_the_weights():
+    """attach keeps W's values and memory (W is the first rows of its extended weight, which holds every adapter
+    route's A), is a no-op the second time, refuses mismatched weights before changing any, and projections refuse
+    weights that are not attached or a fixed route another binding has since overwritten."""
+    from statecache.specialists import FixedRoute
+
+    md, sd, _, _ = world()
+    spec = load_specialists(sd, load_config(md))
+    weights = load_weights(md, LETTER_IDS, "cpu", torch.float32)
+    key = (1, "in")
+    before = spec.lora.weight(weights, key).clone()
+    x = torch.randn(3, before.shape[1])
+    with pytest.raises(RuntimeError, match="attach"):
+        FixedRoute(spec.lora, spec.router, torch.tensor([1])).project(*key, x, spec.lora.weight(weights, key))
+    bf16 = load_weights(md, LETTER_IDS, "cpu", torch.bfloat16)
+    ptrs = {k: spec.lora.weight(bf16, k).data_ptr() for k in spec.lora.layout}
+    with pytest.raises(ValueError, match="bfloat16"):
+        spec.lora.attach(bf16)
+    assert ptrs == {k: spec.lora.weight(bf16, k).data_ptr() for k in spec.lora.layout}  # nothing changed
+    spec.lora.attach(weights)
+    W = spec.lora.weight(weights, key)
+    W_ext = spec.lora.extended(key, W)
+    lay = spec.lora.layout[key]
+    assert torch.equal(W, before) and W.data_ptr() == W_ext.data_ptr() and W.is_contiguous()
+    assert W_ext.shape == (lay.out + (len(ROUTES) - 1) * lay.rb, lay.fin)
+    spec.lora.attach(weights)
+    assert spec.lora.extended(key, spec.lora.weight(weights, key)) is W_ext  # no rebuild
+    other = load_specialists(sd, load_config(md))  # another StackedLora taking the same weights over
+    other.lora.attach(weights)
+    assert not spec.lora.attached(weights) and other.lora.attached(weights) and not spec.lora._ext
+    assert torch.equal(spec.lora.weight(weights, key), before)
+    spec.lora.attach(weights)
+    assert not other.lora._ext
+    W = spec.lora.weight(weights, key)
+    first = FixedRoute(spec.lora, spec.router, torch.tensor([1]))
+    FixedRoute(spec.lora, spec.router, torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="rewritten"):
+        first.project(*key, x, W)
