@@ -7,6 +7,12 @@ p - `tail`, p), snapshotting after each, then the question [p, n) as the last ch
 The checkpoints one row plants form a group sharing that row's attention K/V of [0, p), stored once.
 An LRU bounded in bytes (states, conv tails and each group's K/V once) is enforced after every row.
 
+Image rows (statecache.vision.RowImages) are known to the index by their key tokens: each image-pad token replaced
+by a key derived from its image's sha256, so the same screenshot with a new question is a hit and a different one
+at the same place never matches. A checkpoint after an image needs no stored rotary offset: the offset at a
+position is a function of the tokens before it (the images' grids), which the lookup proved equal, so the row's
+own positions (RowImages) continue it; chunks holding image tokens run eagerly with the image embeddings.
+
 `row` returns None when the row must take the plain path instead: it is not eligible, a chunk shape cannot be
 captured, or it has nothing to reuse and `cold_ok()` says no (someone is waiting). This module knows nothing of
 Redis, text, the memo or batching: statecache.engine decides which rows come here.
@@ -62,23 +68,27 @@ class StateCache:
     def _down(self, x: int) -> int:
         return x - x % self.s.align
 
-    def eligible(self, ids, state_len: int, slots, n_images: int = 0) -> bool:
-        """Section 3's eligibility: a long enough state, 1..max_slots slots at or after p, a question that fits."""
+    def eligible(self, ids, state_len: int, slots) -> bool:
+        """Section 3's eligibility: a long enough state, 1..max_slots slots at or after p, a question that fits
+        (rows with images too: see the module docstring)."""
         p, n = self._down(state_len), len(ids)
-        if self.s.mb <= 0 or n_images or p < self.s.min_prefix or not 0 < len(slots) <= self.s.max_slots:
+        if self.s.mb <= 0 or p < self.s.min_prefix or not 0 < len(slots) <= self.s.max_slots:
             return False
         return min(slots) >= p and self.runner.shape(p, n) is not None
 
     # ---- a row ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], plant_anyway: bool = False) -> Answer | None:
+    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], plant_anyway: bool = False,
+            images=None) -> Answer | None:
         """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the
-        plain path. plant_anyway: skip `cold_ok` (other waiting rows share this state, so planting it pays)."""
+        plain path. plant_anyway: skip `cold_ok` (other waiting rows share this state, so planting it pays).
+        images: the row's statecache.vision.RowImages, or None."""
         if not self.eligible(ids, state_len, slots):
             return None
         n, p = len(ids), self._down(state_len)
-        best = self.index.lookup(ids, limit=p)
+        keys = ids if images is None else images.keys  # what the index knows the state by
+        best = self.index.lookup(keys, limit=p)
         c0 = best.pos if best is not None else 0
         if best is None and not plant_anyway and self.cold_ok is not None and not self.cold_ok():
             self.stats["declined"] += 1
@@ -98,10 +108,10 @@ class StateCache:
         self._restore(best)
         snaps = []
         for a, b, plant in chunks:
-            self.runner.run(ids, a, b)
+            self.runner.run(ids, a, b, images=images)
             if plant:
                 snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone()))
-        out = self.runner.run(ids, p, n, slots, nopts)
+        out = self.runner.run(ids, p, n, slots, nopts, images)
         probs = self.runner.read(out, len(slots))  # waits for the GPU
         path = "hit" if c0 == p else ("partial" if c0 > 0 else "cold")
         self.stats["rows"] += 1
@@ -111,7 +121,7 @@ class StateCache:
         if best is not None:
             self.index.touch(best)
         if snaps:
-            self._plant(ids, p, snaps)
+            self._plant(keys, p, snaps)
         self.stats["evicted"] += len(self.index.evict())
         return Answer([probs[j, : nopts[j]].tolist() for j in range(len(slots))], path, c0, n - c0)
 

@@ -5,6 +5,8 @@ aligned state tokens, run each group through the state cache (its first row plan
 behind it hit them), and pack what the cache declines into plain forwards. `backed_up` (the caller's view of
 the queue) decides whether a row with nothing to reuse may take the cached path: under backlog a singleton new
 state goes plain (throughput first); a state shared by several waiting rows is planted anyway.
+Rows with images (checkpoints with a vision tower: statecache.images, statecache.vision) go the same ways: their
+memo key and their group key include each image's content hash.
 A bad row gets an error result; an exception while computing fails only the rows of that group.
 Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
 """
@@ -88,6 +90,14 @@ class Engine:
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
         self.memo = Memo(memo_entries)
+        self.images, self.embeddings = None, None
+        from .images import ImageSupport
+
+        self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
+        if self.images is not None:
+            from .vision import Embeddings, VisionTower
+
+            self.embeddings = Embeddings(self.images, VisionTower(self.model_dir, self.device, self.dtype))
         self.max_row_tokens = max_row_tokens
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
 
@@ -108,7 +118,11 @@ class Engine:
         for i, raw in enumerate(rows):
             self.counts["rows"] += 1
             try:
-                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer)
+                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
+                if row.get("images"):
+                    from .vision import RowImages
+
+                    row["mm"] = RowImages(row["ids"], row["images"], self.embeddings, self.device)
             except RowError as e:
                 results[i] = self._error(e.code, e.message)
                 continue
@@ -117,6 +131,8 @@ class Engine:
                 results[i] = self._error("bad_row", f"{type(e).__name__}: {e}")
                 continue
             key = row_key(row["ids"], row["slots"], row["nopts"])
+            if "mm" in row:
+                key = (key, row["mm"].digests)
             if (hit := self._memo(key)) is not None:
                 results[i] = hit
             else:
@@ -145,7 +161,8 @@ class Engine:
                 plain.append(item)
                 continue
             p = row["state_len"] - row["state_len"] % align
-            groups.setdefault(tuple(row["ids"][:p]), []).append(item)
+            keys = row["mm"].keys if "mm" in row else row["ids"]
+            groups.setdefault(tuple(keys[:p]), []).append(item)
         return groups, plain
 
     def _cached_group(self, members, backed_up: bool, results) -> list:
@@ -157,7 +174,8 @@ class Engine:
             if (hit := self._memo(key)) is not None:  # the same row twice in one batch
                 results[i] = hit
                 continue
-            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], plant_anyway=shared)
+            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], plant_anyway=shared,
+                                 images=row.get("mm"))
             if ans is None:
                 declined.append((i, row, key))
                 continue
@@ -173,7 +191,12 @@ class Engine:
         if not unique:
             return
         try:
-            outs = self.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r, _ in unique.values()])
+            outs = self.plain.forward([(r["ids"], r["slots"], r["nopts"], r.get("mm")) for r, _ in unique.values()])
+        except RowError as e:  # an image that decoded when checked but not now: the rows of this forward fail
+            for _, idx in unique.values():
+                for i in idx:
+                    results[i] = self._error(e.code, e.message)
+            return
         except Exception as e:  # noqa: BLE001
             log.exception("plain path failed")
             for _, idx in unique.values():
@@ -205,4 +228,5 @@ class Engine:
         return {**{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
-                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values()))}
+                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
+                **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings._d))} if self.embeddings else {})}

@@ -7,6 +7,9 @@ Two forms:
   the row changes nothing before it). On CUDA each (padded length, slot bucket) is one CUDA graph, captured on
   first use into one shared pool, so a lone uncached row pays no Python or launch overhead. A shape that fails
   to capture is remembered and that row runs packed instead.
+A row with images (a fourth item: its statecache.vision.RowImages) always runs packed: its tokens take their
+multimodal positions and, at the image tokens, the vision tower's embeddings; the other rows in the same forward
+keep their 1-D positions (expanded to three equal rows).
 Knows nothing of the cache, the memo or Redis.
 """
 
@@ -56,11 +59,12 @@ class PlainPath:
         return out
 
     @torch.no_grad()
-    def forward(self, rows: list[tuple[list[int], list[int], list[int]]]) -> list[list[list[float]]]:
-        """rows: (ids, slots, nopts) each -> per row, per slot, the option probabilities."""
+    def forward(self, rows: list[tuple]) -> list[list[list[float]]]:
+        """rows: (ids, slots, nopts) or (ids, slots, nopts, images) each -> per row, per slot, the option
+        probabilities. images: None or the row's statecache.vision.RowImages."""
         results: list = [None] * len(rows)
         for batch in self.batches([len(r[0]) for r in rows]):
-            if len(batch) == 1 and self.pad:
+            if len(batch) == 1 and self.pad and _images(rows[batch[0]]) is None:
                 got = self._single(*rows[batch[0]])
                 if got is not None:
                     results[batch[0]] = got
@@ -78,15 +82,27 @@ class PlainPath:
         for n in lens:
             starts.append(starts[-1] + n)
         pos = torch.cat([torch.arange(n) for n in lens])
+        embeds = None
+        if any(_images(rows[i]) is not None for i in batch):  # multimodal positions [3, T], image embeddings
+            pos = pos.expand(3, -1).clone()
+            idx, vals = [], []
+            for k, i in enumerate(batch):
+                if (im := _images(rows[i])) is not None:
+                    p3, e = im.chunk(0, lens[k], lens[k])
+                    pos[:, starts[k] : starts[k + 1]] = p3.cpu()
+                    if e is not None:
+                        idx.append(e[0] + starts[k])
+                        vals.append(e[1])
+            embeds = (torch.cat(idx).to(dev), torch.cat(vals)) if idx else None
         slot_idx = torch.tensor([starts[k] + s for k, i in enumerate(batch) for s in rows[i][1]], dtype=torch.long)
         nopts = torch.tensor([o for i in batch for o in rows[i][2]], dtype=torch.long)
         cu = torch.tensor(starts, dtype=torch.int32, device=dev)
         mix = PackedMixer(self.kernels, cu, max(lens))
-        h = self.model.body(ids.to(dev), pos.to(dev), mix)  # [T, H]
+        h = self.model.body(ids.to(dev), pos.to(dev), mix, embeds)  # [T, H]
         probs = self.model.letter_probs(h.index_select(0, slot_idx.to(dev)), nopts.to(dev)).float().cpu()
         j = 0
         for i in batch:
-            _, slots, no = rows[i]
+            slots, no = rows[i][1], rows[i][2]
             results[i] = [probs[j + k, : no[k]].tolist() for k in range(len(slots))]
             j += len(slots)
 
@@ -135,3 +151,7 @@ class PlainPath:
             out = self._run(inp.to(self.model.device), T, S)
         probs = out[: len(slots)].float().cpu()
         return [probs[k, : nopts[k]].tolist() for k in range(len(slots))]
+
+
+def _images(row: tuple):
+    return row[3] if len(row) > 3 else None

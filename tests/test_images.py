@@ -1,0 +1,256 @@
+"""Rows with images, on the tiny model with a vision tower (statecache.tiny.tiny_vl_model_dir: every parameter of
+text model and tower perturbed), against transformers' own Qwen3_5ForConditionalGeneration in float32 on the CPU:
+one and two images, in the state and in the question, on the plain path (packed with text rows) and cached (cold,
+hit with a new question, a state grown after the image, a different image at the same place); the multimodal
+positions against transformers' get_rope_index; the token form; bad image inputs each a clear error result.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from statecache import images as images_mod
+from statecache.cache import CacheSettings
+from statecache.checkpoints import load_reference
+from statecache.engine import Engine
+from statecache.images import PLACEHOLDER, positions
+from statecache.rows import check_row
+from statecache.tiny import tiny_model_dir, tiny_vl_model_dir
+from tests.cache_util import assert_close, one_thread
+
+TOL = 1e-4
+WORDS = "the agent opened the page and read the form; the next step is to choose a field. "
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_vl_model_dir()
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    return load_reference(model_dir)
+
+
+@pytest.fixture(params=[pytest.param(False, id="exact"), pytest.param(True, id="padded")])
+def make(request, model_dir):
+    def make(**kw) -> Engine:
+        kw.setdefault("settings", CacheSettings(min_prefix=64, stride=192))
+        return Engine(model_dir, device="cpu", dtype="float32", max_pos=2048, pad_chunks=request.param, **kw)
+
+    return make
+
+
+def png(seed: int, w: int = 40, h: int = 24, fmt: str = "PNG") -> bytes:
+    """A generated screenshot-like image: random blocks of colour."""
+    rng = np.random.default_rng(seed)
+    a = np.repeat(np.repeat(rng.integers(0, 256, (h // 4 + 1, w // 4 + 1, 3), dtype=np.uint8), 4, 0), 4, 1)[:h, :w]
+    b = io.BytesIO()
+    Image.fromarray(a).save(b, fmt)
+    return b.getvalue()
+
+
+def q(text: str, n: int = 3) -> dict:
+    return {"text": text, "options": [f"option {j}" for j in range(n)]}
+
+
+def reference(eng: Engine, ref, raw: dict) -> list[list[float]]:
+    """transformers' answer for a row: its full forward with pixel values, grids and token types."""
+    row = check_row(raw, eng.vocab_size, eng.max_row_tokens, eng.tokenizer, eng.images)
+    ids = torch.tensor([row["ids"]])
+    kw = {}
+    if row.get("images"):
+        pv = [eng.images.pixels(r.data) for r in row["images"]]
+        kw = dict(pixel_values=torch.cat([p for p, _ in pv]), image_grid_thw=torch.tensor([g for _, g in pv]),
+                  mm_token_type_ids=(ids == eng.images.image_token_id).int())
+    with torch.no_grad():
+        logits = ref(input_ids=ids, **kw).logits[0]
+    letters = torch.tensor(eng.letter_ids)
+    out = []
+    for s, k in zip(row["slots"], row["nopts"]):
+        out.append(torch.softmax(logits[s, letters[:k]].double(), -1).tolist())
+    return out
+
+
+def check(eng, ref, raws, results):
+    for raw, res in zip(raws, results):
+        assert "probs" in res, res
+        assert_close(res["probs"], reference(eng, ref, raw), TOL)
+
+
+# ---- plain path ---------------------------------------------------------------------------------------------------
+
+
+def test_plain_one_and_two_images_packed_with_text_rows(make, ref):
+    eng = make(settings=CacheSettings(mb=0))  # everything plain
+    rows = [
+        {"state": f"{WORDS}screen: {PLACEHOLDER} end", "questions": [q("Is it a login page?", 2)], "images": [png(1)]},
+        {"state": WORDS * 2, "questions": [q("A text row beside them?")]},
+        {"state": f"before {PLACEHOLDER} {WORDS}", "questions": [q(f"Compare with {PLACEHOLDER}: same?", 2), q("Next?")],
+         "images": [png(2), png(3, 16, 28)]},
+    ]
+    res = eng.answer(rows)
+    assert [r["path"] for r in res] == ["plain"] * 3
+    check(eng, ref, rows, res)
+    assert eng.embeddings.stats["vision_runs"] == 3
+
+
+def test_positions_equal_transformers_get_rope_index(model_dir, ref):
+    eng = Engine(model_dir, device="cpu", dtype="float32")
+    raw = {"state": f"a {PLACEHOLDER} b {PLACEHOLDER}", "questions": [q(f"c {PLACEHOLDER}?")],
+           "images": [png(4), png(5, 16, 28), png(6, 28, 12)]}
+    row = check_row(raw, eng.vocab_size, eng.max_row_tokens, eng.tokenizer, eng.images)
+    ids = torch.tensor([row["ids"]])
+    grids = torch.tensor([r.grid for r in row["images"]])
+    want, _ = ref.model.get_rope_index(ids, mm_token_type_ids=(ids == eng.images.image_token_id).int(), image_grid_thw=grids)
+    got = positions(len(row["ids"]), row["images"], eng.images.merge)
+    assert np.array_equal(got, want[:, 0].numpy())
+    assert got[0, -1] - (len(row["ids"]) - 1) < 0  # text after images runs at positions below its index
+
+
+def test_text_rows_unchanged_on_the_vision_checkpoint(make, ref):
+    eng = make()
+    rows = [{"state": WORDS * 4, "questions": [q("Text only?")]}, {"state": WORDS * 4, "questions": [q("Again?", 2)]}]
+    res = eng.answer(rows)
+    check(eng, ref, rows, res)
+    assert res[1]["path"] == "hit" and eng.embeddings.stats["vision_runs"] == 0
+
+
+def test_token_form_with_images_equals_text_form(make, ref):
+    eng = make(settings=CacheSettings(mb=0))
+    raw = {"state": f"{WORDS}{PLACEHOLDER}", "questions": [q("What is shown?")], "images": [png(7)]}
+    row = check_row(raw, eng.vocab_size, eng.max_row_tokens, eng.tokenizer, eng.images)
+    tok = {"ids": row["ids"], "state_len": row["state_len"], "slots": row["slots"], "nopts": row["nopts"],
+           "images": [png(7)]}
+    a, b = eng.answer([raw])[0], eng.answer([tok])[0]
+    assert_close(a["probs"], b["probs"], 1e-6)
+    assert b["path"] == "memo"  # equal tokens and equal image: the same row
+
+
+# ---- cached -------------------------------------------------------------------------------------------------------
+
+
+def test_cached_hit_grown_state_and_a_different_image(make, ref):
+    eng = make()
+    state = f"{WORDS * 3}{PLACEHOLDER}{WORDS * 3}"
+    a = {"state": state, "questions": [q("Where is the button?")], "images": [png(10)]}
+    res = eng.answer([a])[0]
+    assert res["path"] == "cold"
+    check(eng, ref, [a], [res])
+    runs = eng.embeddings.stats["vision_runs"]
+    assert runs == 1
+
+    b = dict(a, questions=[q("Is the form complete?", 2), q("Next?", 4)])  # same screenshot, new questions: a hit
+    res = eng.answer([b])[0]
+    assert res["path"] == "hit" and res["reused"] > 0
+    check(eng, ref, [b], [res])
+    assert eng.embeddings.stats["vision_runs"] == runs  # the state past the image was restored: no tower at all
+
+    c = dict(a, state=state + "clicked the sign-in button; " * 12)  # grown after the image
+    res = eng.answer([c])[0]
+    assert res["path"] == "partial"
+    img_end = check_row(c, eng.vocab_size, 4096, eng.tokenizer, eng.images)["images"][0].end
+    assert res["reused"] > img_end  # continued from a checkpoint past the image: the rotary offset restored
+    check(eng, ref, [c], [res])
+
+    d = dict(a, images=[png(11)])  # another screenshot of the same size, at the same place: never matched
+    row_d = check_row(d, eng.vocab_size, 4096, eng.tokenizer, eng.images)
+    row_a = check_row(a, eng.vocab_size, 4096, eng.tokenizer, eng.images)
+    assert row_d["ids"] == row_a["ids"]  # the same tokens: only the image tells them apart
+    res = eng.answer([d])[0]
+    assert res["path"] in ("cold", "partial") and res["reused"] <= row_d["images"][0].start
+    check(eng, ref, [d], [res])
+    assert eng.embeddings.stats["vision_runs"] == runs + 1
+
+
+def test_cached_images_in_state_and_question(make, ref):
+    eng = make()
+    state = f"{PLACEHOLDER}{WORDS * 4}{PLACEHOLDER}{WORDS}"
+    imgs = [png(20, 16, 28), png(21)]
+    a = {"state": state, "questions": [q(f"Which matches {PLACEHOLDER}?")], "images": imgs + [png(22, 12, 12)]}
+    b = {"state": state, "questions": [q(f"And {PLACEHOLDER}?", 2)], "images": imgs + [png(23, 20, 20)]}
+    res = eng.answer([a])
+    assert res[0]["path"] == "cold"
+    check(eng, ref, [a], res)
+    res = eng.answer([b])
+    assert res[0]["path"] == "hit"  # the question's own image runs in the question chunk
+    check(eng, ref, [b], res)
+    assert eng.embeddings.stats["vision_runs"] == 4  # each image once
+
+
+def test_one_batch_groups_image_rows_by_image(make, ref):
+    eng = make()
+    state = f"{WORDS * 3}{PLACEHOLDER}{WORDS * 2}"
+    rows = [{"state": state, "questions": [q(f"Question {k}?")], "images": [png(30 + k % 2)]} for k in range(4)]
+    res = eng.answer(rows)
+    check(eng, ref, rows, res)
+    assert sorted(r["path"] for r in res) == ["cold", "cold", "hit", "hit"]
+    assert eng.embeddings.stats["vision_runs"] == 2
+
+
+# ---- bad image inputs ---------------------------------------------------------------------------------------------
+
+
+def _code(res: dict) -> str:
+    assert "error" in res, res
+    return res["error"]["code"]
+
+
+def test_bad_images_get_clear_errors_and_the_batch_goes_on(make, ref, monkeypatch):
+    eng = make()
+    good = {"state": f"{WORDS}{PLACEHOLDER}", "questions": [q("ok?")], "images": [png(40)]}
+    bad = {
+        "undecodable": dict(good, images=[b"\x89PNG\r\n\x1a\n not really"]),
+        "truncated": dict(good, images=[png(41)[:60]]),
+        "gif": dict(good, images=[png(42, fmt="GIF")]),
+        "not_bytes": dict(good, images=["aGVsbG8="]),
+        "fewer_images": dict(good, images=[]),
+        "more_images": dict(good, images=[png(40), png(43)]),
+        "spelled_out": dict(good, state=WORDS + "<|image_pad|>"),
+        "images_not_list": dict(good, images=png(40)),
+    }
+    want = {"undecodable": "bad_image", "truncated": "bad_image", "gif": "bad_image", "not_bytes": "bad_image",
+            "fewer_images": "image_count_mismatch", "more_images": "image_count_mismatch", "spelled_out": "bad_row",
+            "images_not_list": "image_count_mismatch"}
+    res = eng.answer(list(bad.values()) + [good])
+    for (name, _), r in zip(bad.items(), res):
+        assert _code(r) == want[name], (name, r)
+        assert r["error"]["message"]
+    check(eng, ref, [good], res[-1:])
+
+    monkeypatch.setattr(images_mod, "MAX_IMAGE_BYTES", 100)
+    assert _code(eng.answer([dict(good, images=[png(44)])])[0]) == "image_too_large"
+    monkeypatch.setattr(images_mod, "MAX_IMAGE_BYTES", 32 * 2**20)
+    monkeypatch.setattr(images_mod, "MAX_IMAGE_PIXELS", 100)
+    assert _code(eng.answer([dict(good, images=[png(45)])])[0]) == "image_too_large"
+
+
+def test_bad_token_form_image_runs(make):
+    eng = make()
+    raw = {"state": f"{WORDS}{PLACEHOLDER}", "questions": [q("x?")], "images": [png(50)]}
+    row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
+    tok = {k: row[k] for k in ("ids", "state_len", "slots", "nopts")}
+    pad = eng.images.image_token_id
+    short = dict(tok, ids=[t for i, t in enumerate(tok["ids"]) if not (t == pad and i == row["images"][0].start)],
+                 images=[png(50)])
+    short["slots"] = [s - 1 for s in tok["slots"]]
+    res = eng.answer([short, dict(tok, images=[png(50), png(51)]), dict(tok, images=[])])
+    assert [_code(r) for r in res[:2]] == ["image_tokens_mismatch", "image_tokens_mismatch"]
+    assert "probs" in res[2]  # the pad tokens without images: a text row (their own embedding), as transformers does
+
+
+def test_images_on_a_text_only_model_are_refused():
+    eng = Engine(tiny_model_dir(), device="cpu", dtype="float32")
+    res = eng.answer([{"state": f"a {PLACEHOLDER}", "questions": [q("x?")], "images": [png(60)]}])
+    assert _code(res[0]) == "no_vision"
