@@ -97,7 +97,7 @@ class Engine:
         if self.images is not None:
             from .vision import Embeddings, VisionTower
 
-            self.embeddings = Embeddings(self.images, VisionTower(self.model_dir, self.device, self.dtype))
+            self.embeddings = Embeddings(self.images, VisionTower.from_checkpoint(self.model_dir, self.device, self.dtype))
         self.max_row_tokens = max_row_tokens
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
 
@@ -229,4 +229,4 @@ class Engine:
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
                 "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
-                **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings._d))} if self.embeddings else {})}
+                **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}

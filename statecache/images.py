@@ -65,15 +65,15 @@ class ImageSupport:
     """The image side of one checkpoint: processor, token ids, merge size. `for_model` returns None for a checkpoint
     without a vision tower or image processor."""
 
-    def __init__(self, image_processor, tokenizer, image_token_id: int, merge: int, vision_start_id: int | None,
-                 vision_end_id: int | None, info_entries: int = 4096):
+    def __init__(self, image_processor, image_token_id: int, merge: int,
+                 tokens: tuple[str, ...] = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"), info_entries: int = 4096):
+        """tokens: the texts of the vision-start, image-pad and vision-end tokens (the pad one required)."""
         self.processor = image_processor
         self.image_token_id = int(image_token_id)
-        self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.image_token = tokens[1]
         self.merge = int(merge)
-        ids = [i for i in (vision_start_id, self.image_token_id, vision_end_id) if i is not None]
-        self.marker = "".join(tokenizer.convert_ids_to_tokens(ids))  # what Qwen's chat template renders for an image
-        self.reserved = [tokenizer.convert_ids_to_tokens(i) for i in ids]  # text must not spell these out
+        self.marker = "".join(tokens)  # what Qwen's chat template renders for an image
+        self.reserved = [t for t in tokens if t]  # text must not spell these out
         self._info: OrderedDict[bytes, tuple[tuple[int, int, int], int]] = OrderedDict()
         self.info_entries = info_entries
 
@@ -90,8 +90,10 @@ class ImageSupport:
         # the PIL/numpy path (use_fast=False): torchvision is not needed, and the result does not depend on it
         proc = AutoImageProcessor.from_pretrained(str(model_dir), use_fast=False)
         vc = raw["vision_config"]
-        return cls(proc, tokenizer, raw.get("image_token_id", 248056), vc.get("spatial_merge_size", 2),
-                   raw.get("vision_start_token_id"), raw.get("vision_end_token_id"))
+        pad = raw.get("image_token_id", 248056)
+        start, end = raw.get("vision_start_token_id"), raw.get("vision_end_token_id")
+        tokens = tuple("" if i is None else tokenizer.convert_ids_to_tokens(i) for i in (start, pad, end))
+        return cls(proc, pad, vc.get("spatial_merge_size", 2), tokens)
 
     # ---- checking and preparing -----------------------------------------------------------------------------------
 
@@ -175,20 +177,27 @@ class ImageSupport:
 
 
 def locate(ids: list[int], refs: list[ImageRef], pad_id: int) -> list[ImageRef]:
-    """The refs with their `start` set from the image-pad runs in ids; RowError when the runs do not match them."""
-    pads = [i for i, t in enumerate(ids) if t == pad_id] if pad_id in ids else []
-    runs: list[tuple[int, int]] = []
-    for i in pads:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    if len(runs) != len(refs) or any(b - a != r.n for (a, b), r in zip(runs, refs)):
-        have = [b - a for a, b in runs]
-        want = [r.n for r in refs]
-        raise RowError("image_tokens_mismatch",
-                       f"ids hold image-pad runs of lengths {have[:8]}, the images need {want[:8]} (one run per image, in order)")
-    return [ImageRef(r.digest, r.data, r.grid, r.n, a) for (a, _), r in zip(runs, refs)]
+    """The refs with their `start` set from the image-pad runs in ids (searched in C: list.index and slice
+    compares); RowError when the runs do not match them: one run per image, in order, each exactly its length."""
+    out, i = [], 0
+    for k, r in enumerate(refs):
+        try:
+            a = ids.index(pad_id, i)
+        except ValueError:
+            raise RowError("image_tokens_mismatch", f"ids hold {k} image-pad run(s), the row has {len(refs)} images") from None
+        b = a + r.n
+        if ids[a:b] != [pad_id] * r.n or (b < len(ids) and ids[b] == pad_id):
+            m = b
+            while m < len(ids) and ids[m] == pad_id:
+                m += 1
+            got = next((j for j in range(a, min(b, len(ids))) if ids[j] != pad_id), m) - a
+            raise RowError("image_tokens_mismatch", f"image-pad run {k} at ids[{a}] has {got} tokens, images[{k}] needs "
+                           f"{r.n} (one run per image, in order)")
+        out.append(ImageRef(r.digest, r.data, r.grid, r.n, a))
+        i = b
+    if pad_id in ids[i:]:
+        raise RowError("image_tokens_mismatch", f"ids hold more image-pad runs than the {len(refs)} image(s)")
+    return out
 
 
 def positions(n: int, refs: list[ImageRef], merge: int) -> np.ndarray:

@@ -27,16 +27,30 @@ from .images import ImageRef, ImageSupport, key_ids, positions
 
 
 class VisionTower:
-    def __init__(self, model_dir, device, dtype: torch.dtype):
+    """transformers' Qwen3_5VisionModel with a checkpoint's weights, on one device in one dtype."""
+
+    def __init__(self, vision_config, state_dict: dict, device, dtype: torch.dtype):
+        """vision_config: transformers' Qwen3_5VisionConfig; state_dict: its weights (names without `model.visual.`)."""
+        from .checkpoints import hf_qwen3_5
+
+        hf = hf_qwen3_5()
+        self.model = hf.Qwen3_5VisionModel._from_config(vision_config, dtype=dtype)
+        self.model.load_state_dict(state_dict, strict=True)
+        self.model.to(device=device, dtype=dtype).eval()
+        self.device, self.dtype = torch.device(device), dtype
+        self.out_hidden = vision_config.out_hidden_size
+
+    @classmethod
+    def from_checkpoint(cls, model_dir, device, dtype: torch.dtype) -> "VisionTower":
+        """The tower of a checkpoint folder (conditional layout): its config's vision_config, its model.visual.*."""
         from safetensors import safe_open
         from transformers import Qwen3_5Config
 
         from .checkpoints import hf_qwen3_5
 
+        hf_qwen3_5()  # fla hidden where it cannot run, before transformers' Qwen3.5 code is first imported
         model_dir = Path(model_dir)
-        hf = hf_qwen3_5()
         vcfg = Qwen3_5Config.from_pretrained(str(model_dir)).vision_config
-        self.model = hf.Qwen3_5VisionModel._from_config(vcfg, dtype=dtype)
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -47,10 +61,7 @@ class VisionTower:
         for f in files:
             with safe_open(str(model_dir / f), framework="pt") as h:
                 sd.update({k[len(pre):]: h.get_tensor(k) for k in h.keys() if k.startswith(pre)})
-        self.model.load_state_dict(sd, strict=True)
-        self.model.to(device=device, dtype=dtype).eval()
-        self.device, self.dtype = torch.device(device), dtype
-        self.out_hidden = vcfg.out_hidden_size
+        return cls(vcfg, sd, device, dtype)
 
     @torch.no_grad()
     def __call__(self, pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
@@ -92,6 +103,9 @@ class Embeddings:
     def clear(self) -> None:
         self._d.clear()
         self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 class RowImages:
