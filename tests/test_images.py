@@ -254,3 +254,23 @@ def test_images_on_a_text_only_model_are_refused():
     eng = Engine(tiny_model_dir(), device="cpu", dtype="float32")
     res = eng.answer([{"state": f"a {PLACEHOLDER}", "questions": [q("x?")], "images": [png(60)]}])
     assert _code(res[0]) == "no_vision"
+
+
+# ---- through Redis and the worker ---------------------------------------------------------------------------------
+
+
+def test_demo_screenshot_rows_through_the_worker(redis_url, queue_name, model_dir, capsys):
+    """The demo's screenshot rows (generated PNGs) through Redis and the arq worker on the real engine: answers,
+    hits on repeated screenshots, no errors."""
+    from producer import demo
+    from tests.harness import InProcessWorker
+
+    make = lambda: Engine(model_dir, device="cpu", dtype="float32", settings=CacheSettings(min_prefix=64))  # noqa: E731
+    with InProcessWorker(redis_url, queue_name, make) as w:
+        rc = demo.main(["--seconds", "2", "--every-s", "1", "--agents", "2", "--redis-url", redis_url,
+                        "--queue", queue_name, "--screenshots"])
+        stats = w.engine.stats()
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "== done:" in out and " 0 errors" in out
+    assert stats["vision"]["vision_runs"] >= 1 and stats["errors"] == 0 and stats["rows"] > 2
