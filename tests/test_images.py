@@ -274,3 +274,39 @@ def test_demo_screenshot_rows_through_the_worker(redis_url, queue_name, model_di
     assert rc == 0, out
     assert "== done:" in out and " 0 errors" in out
     assert stats["vision"]["vision_runs"] >= 1 and stats["errors"] == 0 and stats["rows"] > 2
+
+
+def test_checkpoint_inside_an_image_continues_with_the_image_tail(make, ref):
+    """Checkpoints every 64 tokens: one falls inside the image's pad run. A row that shares the state up to the end
+    of the image and differs after it restores that checkpoint and runs the rest of the image (its embeddings from
+    the middle on, at their grid positions) in its first chunk."""
+    eng = make(settings=CacheSettings(min_prefix=64, stride=64, tail=0))
+    img = png(70, 32, 32)  # 8 x 8 merged tokens: 64 of them, so a multiple of 64 lies inside (or at its edge)
+    for extra in range(0, 64, 7):
+        a = {"state": "x" * extra + f"{WORDS * 2}{PLACEHOLDER}{WORDS * 3}", "questions": [q("First?")], "images": [img]}
+        r = check_row(a, eng.vocab_size, 4096, eng.tokenizer, eng.images)["images"][0]
+        inside = [c for c in range(64, r.end, 64) if r.start < c < r.end]
+        if inside:
+            break
+    assert inside, "no layout put a checkpoint inside the image"
+    res = eng.answer([a])[0]
+    assert res["path"] == "cold"
+    check(eng, ref, [a], [res])
+    b = dict(a, state=a["state"].replace(WORDS * 3, "Totally different text follows the image now. " * 6))
+    res = eng.answer([b])[0]
+    assert res["path"] == "partial" and res["reused"] == inside[-1], (res, inside)
+    check(eng, ref, [b], [res])
+    assert eng.embeddings.stats["embed_hits"] >= 1  # the image tail from the embeddings cache, not the tower again
+    assert eng.embeddings.stats["vision_runs"] == 1
+
+
+def test_rope_of_equal_multimodal_positions_is_the_text_rope(model_dir):
+    """[3, T] positions with three equal rows (text) give the 1-D rotary exactly; rows that differ change it."""
+    eng = Engine(model_dir, device="cpu", dtype="float32")
+    pos = torch.arange(5, 40)
+    c1, s1 = eng.model.rope(pos)
+    c3, s3 = eng.model.rope(pos.expand(3, -1))
+    assert torch.equal(c1, c3) and torch.equal(s1, s3)
+    p3 = pos.expand(3, -1).clone()
+    p3[1] += 3
+    assert not torch.equal(eng.model.rope(p3)[0], c1)
