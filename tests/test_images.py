@@ -22,6 +22,7 @@ from statecache.images import PLACEHOLDER, positions
 from statecache.rows import check_row
 from statecache.tiny import tiny_model_dir, tiny_vl_model_dir
 from tests.cache_util import assert_close, one_thread
+from tests.test_graph_modes import fake_graphs  # noqa: F401 - the stand-in CUDA graphs fixture
 
 TOL = 1e-4
 WORDS = "the agent opened the page and read the form; the next step is to choose a field. "
@@ -310,3 +311,29 @@ def test_rope_of_equal_multimodal_positions_is_the_text_rope(model_dir):
     p3 = pos.expand(3, -1).clone()
     p3[1] += 3
     assert not torch.equal(eng.model.rope(p3)[0], c1)
+
+
+def test_image_rows_through_replayed_graphs(fake_graphs, model_dir, ref):
+    """Graph mode (tests.test_graph_modes' stand-in graphs, which replay the captured function): chunks after the
+    image run as the same graphs as text chunks, their rotary shift read from the graph's input buffer."""
+    from statecache.kernels import TorchKernels
+    from statecache.runner import ChunkRunner
+    from statecache.cache import StateCache
+    from statecache.vision import RowImages
+
+    eng = Engine(model_dir, device="cpu", dtype="float32")
+    runner = ChunkRunner(eng.model, TorchKernels(), graphs=True, max_pos=1024)
+    cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128))
+    state = f"{WORDS * 2}{PLACEHOLDER}{WORDS * 4}"
+    raws = [{"state": state, "questions": [q(f"Question {k}?")], "images": [png(80)]} for k in range(2)]
+    raws.append(dict(raws[0], state=state + "one more step was taken; " * 8))
+    for raw, path in zip(raws, ["cold", "hit", "partial"]):
+        row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
+        mm = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)
+        before = sum(g.graph.replays for g in runner.graphs.values() if g is not None)
+        ans = cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=mm)
+        assert ans is not None and ans.path == path
+        assert_close(ans.probs, reference(eng, ref, raw), TOL)
+        if path != "cold":
+            assert mm.shift(row["state_len"]) != 0  # text after the image: positions are not the token index
+            assert sum(g.graph.replays for g in runner.graphs.values() if g is not None) > before
