@@ -143,15 +143,18 @@ def _build_vl(out_dir: Path) -> None:
                     max_pixels=VL_MAX_PIXELS, min_pixels=VL_MIN_PIXELS, **SHAPE)
 
 
+def tiny_model_dir() -> Path:
+    """The tiny model's folder, made on first use (atomically; safe when processes race)."""
+    return _made(NAME, _build)
+
+
 def tiny_vl_model_dir() -> Path:
     """The tiny model with a vision tower (conditional layout), made on first use like tiny_model_dir."""
-    return tiny_model_dir(_name=VL_NAME, _build_fn=_build_vl)
+    return _made(VL_NAME, _build_vl)
 
 
-def tiny_model_dir(_name: str = NAME, _build_fn=None) -> Path:
-    """The tiny model's folder, made on first use (atomically; safe when processes race)."""
+def _made(name: str, build) -> Path:
     home = statecache_home()
-    name, build = _name, _build_fn or _build
     final = home / name
     if (final / "config.json").is_file():
         return final

@@ -337,3 +337,23 @@ def test_image_rows_through_replayed_graphs(fake_graphs, model_dir, ref):
         if path != "cold":
             assert mm.shift(row["state_len"]) != 0  # text after the image: positions are not the token index
             assert sum(g.graph.replays for g in runner.graphs.values() if g is not None) > before
+
+
+def test_tiny_vision_model_is_the_released_layout(model_dir, ref):
+    import json
+
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5" and cfg["vision_config"]["out_hidden_size"] == cfg["text_config"]["hidden_size"]
+    assert type(ref).__name__ == "Qwen3_5ForConditionalGeneration"
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    assert ids == [cfg["vision_start_token_id"], cfg["image_token_id"], cfg["vision_end_token_id"]]
+    proc = AutoImageProcessor.from_pretrained(str(model_dir), use_fast=False)
+    assert proc.patch_size == cfg["vision_config"]["patch_size"] and proc.merge_size == cfg["vision_config"]["spatial_merge_size"]
+    # the token count of an image is the processor's own: patches // merge ** 2
+    eng = Engine(model_dir, device="cpu", dtype="float32")
+    for w, h in [(40, 24), (16, 28), (300, 200), (9, 9)]:
+        ref_ = eng.images.prepare([png(90, w, h)])[0]
+        assert ref_.n == proc.get_number_of_image_patches(h, w, {}) // proc.merge_size**2
