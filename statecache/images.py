@@ -37,7 +37,7 @@ PLACEHOLDER = "<|image|>"
 MAX_IMAGES = 16  # per row
 MAX_IMAGE_BYTES = 32 * 2**20
 MAX_IMAGE_PIXELS = 8192 * 8192  # before resizing (the processor resizes to its own pixel budget)
-FORMATS = ("PNG", "JPEG", "WEBP")
+FORMATS = ("PNG", "JPEG", "MPO", "WEBP")  # MPO: PIL's name for some cameras' JPEG files
 
 
 @dataclass(frozen=True)
@@ -131,10 +131,12 @@ class ImageSupport:
 
         try:
             im = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as e:
+            raise RowError("image_too_large", f"images[{i}]: {e}") from None
         except Exception as e:  # noqa: BLE001 - anything PIL cannot open
             raise RowError("bad_image", f"images[{i}] does not decode as an image ({type(e).__name__}: {e})") from None
         if im.format not in FORMATS:
-            raise RowError("bad_image", f"images[{i}] is {im.format}; send {', '.join(FORMATS)}")
+            raise RowError("bad_image", f"images[{i}] is {im.format}; send PNG, JPEG or WebP")
         w, h = im.size
         if w * h > MAX_IMAGE_PIXELS:
             raise RowError("image_too_large", f"images[{i}] is {w}x{h} pixels, more than the limit {MAX_IMAGE_PIXELS}")

@@ -357,3 +357,11 @@ def test_tiny_vision_model_is_the_released_layout(model_dir, ref):
     for w, h in [(40, 24), (16, 28), (300, 200), (9, 9)]:
         ref_ = eng.images.prepare([png(90, w, h)])[0]
         assert ref_.n == proc.get_number_of_image_patches(h, w, {}) // proc.merge_size**2
+
+
+def test_jpeg_and_webp_rows_answer(make, ref):
+    eng = make(settings=CacheSettings(mb=0))
+    rows = [{"state": f"{WORDS}{PLACEHOLDER}", "questions": [q("Which?")], "images": [png(100 + k, fmt=f)]}
+            for k, f in enumerate(["JPEG", "WEBP"])]
+    res = eng.answer(rows)
+    check(eng, ref, rows, res)
