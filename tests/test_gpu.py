@@ -98,7 +98,7 @@ def test_graph_cached_image_rows_match_plain_bf16(kernels):
     qs = [{"text": f"question {k}?", "options": ["a", "b", "c", "d"]} for k in range(3)]
     rows = [{"state": state, "questions": [qs[0]], "images": [buf.getvalue()]},
             {"state": state, "questions": [qs[1]], "images": [buf.getvalue()]},
-            {"state": state + " one more step." * 8, "questions": [qs[2]], "images": [buf.getvalue()]}]
+            {"state": state + " one more step." * 30, "questions": [qs[2]], "images": [buf.getvalue()]}]
     got = [eng.answer([r])[0] for r in rows]
     assert [r["path"] for r in got] == ["cold", "hit", "partial"], got
     assert eng.embeddings.stats["vision_runs"] == 1
