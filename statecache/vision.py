@@ -114,16 +114,25 @@ class RowImages:
     def __init__(self, ids: list[int], refs: list[ImageRef], embeddings: Embeddings, device):
         self.refs, self.emb, self.device = refs, embeddings, device
         self.n = len(ids)
-        self.pos = positions(self.n, refs, embeddings.support.merge)  # [3, n] int64 (numpy)
+        self.merge = embeddings.support.merge
+        self._pos = None  # [3, n] int64 (numpy), made when a chunk holding image tokens first needs it
         self.keys = key_ids(ids, refs)
         self.digests = tuple(r.digest for r in refs)
+
+    @property
+    def pos(self):
+        if self._pos is None:
+            self._pos = positions(self.n, self.refs, self.merge)
+        return self._pos
 
     def has_image(self, s: int, e: int) -> bool:
         return any(r.start < e and s < r.end for r in self.refs)
 
     def shift(self, s: int) -> int:
-        """position - index of a text token at s (the rotary offset a chunk of text from s runs with)."""
-        return int(self.pos[0, s]) - s if s < self.n else int(self.pos[0, -1]) + 1 - self.n
+        """position - index of a text token at s (the rotary offset a chunk of text from s runs with): each image
+        before s moves the text after it by max(rows, columns) - its token count (statecache.images.positions)."""
+        m = self.merge
+        return sum(max(r.grid[1] // m, r.grid[2] // m) - r.n for r in self.refs if r.end <= s)
 
     def chunk(self, s: int, e: int, L: int):
         """Chunk [s, e) padded to L tokens -> (positions [3, L] long, (index [k] long, embeddings [k, H])) on the

@@ -117,6 +117,12 @@ def test_positions_equal_transformers_get_rope_index(model_dir, ref):
     want, _ = ref.model.get_rope_index(ids, mm_token_type_ids=(ids == eng.images.image_token_id).int(), image_grid_thw=grids)
     got = positions(len(row["ids"]), row["images"], eng.images.merge)
     assert np.array_equal(got, want[:, 0].numpy())
+    from statecache.vision import RowImages
+
+    mm = RowImages(row["ids"], row["images"], eng.embeddings, "cpu")
+    for s in range(len(row["ids"])):  # the text shift a chunk from s runs with, without the positions
+        if not mm.has_image(s, s + 1):
+            assert mm.shift(s) == got[0, s] - s
     assert got[0, -1] - (len(row["ids"]) - 1) < 0  # text after images runs at positions below its index
 
 
