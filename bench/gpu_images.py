@@ -69,7 +69,8 @@ def sync():
         torch.cuda.synchronize()
 
 
-def timed(fn, reps=5, warm=2):
+def timed(fn, reps=5, warm=2, mins=None):
+    """Median wall milliseconds of fn over reps synchronised runs after warm ones; mins (a list): gets the fastest."""
     for _ in range(warm):
         fn()
     sync()
@@ -79,6 +80,8 @@ def timed(fn, reps=5, warm=2):
         fn()
         sync()
         ts.append(1000 * (time.perf_counter() - t))
+    if mins is not None:
+        mins.append(min(ts))
     return round(statistics.median(ts), 3)
 
 
@@ -358,15 +361,17 @@ def main():
     R["text_hit_ms"] = timed(text_hit, reps=20, warm=3)
     R["text_hit_paths"] = sorted(tpaths)
     # the two hits again, interleaved, so both see the same machine state
-    ih, th = [], []
-    for _ in range(3):
-        ih.append(timed(hit, reps=10, warm=1))
-        th.append(timed(text_hit, reps=10, warm=1))
+    ih, th, imin, tmin = [], [], [], []
+    for _ in range(5):
+        ih.append(timed(hit, reps=10, warm=1, mins=imin))
+        th.append(timed(text_hit, reps=10, warm=1, mins=tmin))
     R["image_hit_ms_interleaved"], R["text_hit_ms_interleaved"] = statistics.median(ih), statistics.median(th)
     R["hit_ratio"] = round(R["image_hit_ms_interleaved"] / R["text_hit_ms_interleaved"], 3)
+    R["hit_ratio_of_fastest"] = round(min(imin) / min(tmin), 3)  # less exposed to a busy host
     R["hit_ratio_met"] = R["hit_ratio"] <= 1.2
     log("text hit", R["text_hit_ms"], "ms", R["text_hit_paths"], "| interleaved: image", R["image_hit_ms_interleaved"],
-        "text", R["text_hit_ms_interleaved"], "ratio", R["hit_ratio"], "(<= 1.2:", R["hit_ratio_met"], ")")
+        "text", R["text_hit_ms_interleaved"], "ratio", R["hit_ratio"], "(<= 1.2:", R["hit_ratio_met"], "); fastest of each:",
+        R["hit_ratio_of_fastest"])
     R["cache_info"] = cache.info()
     R["vision_stats"] = dict(emb.stats)
     if DEV.type == "cuda":
