@@ -153,6 +153,7 @@ def show(agent: Agent, how: str, question: tuple, result: dict, ms: float) -> st
     return (
         f"  {agent.name:<5} {how:<8} {question[0][:44]:<44} -> {LETTERS[best]} {probs[best]:.2f}  "
         f"{result['path']:<7} reused {result['reused']:>5} computed {result['computed']:>5}  {ms:7.1f} ms"
+        + (f"  route {result['route']}" if "route" in result else "")  # a worker serving specialists
     )
 
 

@@ -1,8 +1,9 @@
 """`statecache` console script.
 
-  statecache score [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--cache-mb N] [--precapture]
+  statecache score [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--cache-mb N] [--no-precapture]
+                  [--specialists DIR]
       rows as JSON lines on stdin -> one JSON result per line on stdout, in order; the state cache is used
-      across rows. A bad line gets {"error": {...}} and the run goes on. Statistics go to stderr at the end.
+      across rows; with specialists each result names its `route`. A bad line gets {"error": {...}} and the run goes on. Statistics go to stderr at the end.
   statecache demo [...]
       the simulated agents through Redis and the worker (producer.demo; see README).
 """
@@ -18,12 +19,20 @@ def _score(args) -> int:
     from .engine import Engine
     from .rows import error_result
 
-    eng = Engine(args.model, args.device, args.dtype, args.cache_mb)
+    from .specialists import SpecialistsError
+
+    try:
+        eng = Engine(args.model, args.device, args.dtype, args.cache_mb, specialists=args.specialists,
+                     precapture=args.precapture)
+    except SpecialistsError as e:
+        print(f"statecache: {e}", file=sys.stderr)
+        return 2
     print(f"statecache: model {eng.model_dir} on {eng.device} ({str(eng.dtype).removeprefix('torch.')}), "
-          f"loaded in {eng.load_s:.1f} s", file=sys.stderr)
-    if args.precapture and eng.runner.use_graphs:
-        info = eng.runner.precapture()
-        print(f"statecache: precaptured {info['graphs']} graphs in {info['seconds']} s", file=sys.stderr)
+          f"loaded in {eng.load_s:.1f} s; {eng.budget.describe()}", file=sys.stderr)
+    if eng.precapture_info is not None:
+        info = eng.precapture_info
+        print(f"statecache: precaptured {info['graphs']} graphs in {info['seconds']} s"
+              + (f" (failed: {info['failed']})" if info["failed"] else ""), file=sys.stderr)
     out = sys.stdout
     for n, line in enumerate(sys.stdin, 1):
         if not line.strip():
@@ -53,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     sc.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on cuda, float32 on cpu")
     sc.add_argument("--cache-mb", type=int, default=None, help="state cache bound in MiB (0: no cache)")
-    sc.add_argument("--precapture", action="store_true", help="capture every chunk CUDA graph before reading rows (lone plain rows' graphs are captured on first use)")
+    sc.add_argument("--precapture", action=argparse.BooleanOptionalAction, default=True,
+                    help="capture every chunk CUDA graph before reading rows (default; lone plain rows' graphs are "
+                         "captured on first use); --no-precapture captures each on first use")
+    sc.add_argument("--specialists", default=None, metavar="DIR",
+                    help="a specialists folder (router.json, router.safetensors, one PEFT LoRA adapter folder per route)")
     sub.add_parser("demo", help="simulated agents through Redis and the worker (see README)")
     args = ap.parse_args(argv)
     return _score(args)

@@ -1,13 +1,19 @@
 """The engine: a batch of rows in, one result per row out, in order; the one object the worker's GPU thread drives.
 
 For each batch: validate (and tokenise text rows), answer exact repeats from the memo, group the rest by their
-aligned state tokens, run each group through the state cache (its first row plants checkpoints, the rows
-behind it hit them), and pack what the cache declines into plain forwards. `backed_up` (the caller's view of
-the queue) decides whether a row with nothing to reuse may take the cached path: under backlog a singleton new
-state goes plain (throughput first); a state shared by several waiting rows is planted anyway.
+aligned state tokens. A group whose state has a saved checkpoint runs through the state cache (restore, chunks).
+A group whose state is new asks the `cold_ok` policy (statecache.policy) once: if it may be planted, its first row
+runs in the batch's one packed forward (statecache.plain) together with the rows the cache cannot take, and that
+forward leaves the state's checkpoints and K/V (statecache.plant), which are planted as one group; the group's
+other rows then continue from them (hits) in the same call. A declined new state runs plain and plants nothing.
+So every forward plants, whatever the backlog. `waiting_rows` (the caller's view of the queue) only informs the
+policy. A bad row gets an error result; an exception while computing fails only the rows of that group (or of
+that packed forward). With a specialists folder (`specialists=`, checked in full before the weights load)
+every result names its `route`, and new states are planted through the state cache's own chunked path (their
+checkpoints carry a route and the router's feature sum), not the packed forward.
 Rows with images (checkpoints with a vision tower: statecache.images, statecache.vision) go the same ways: their
-memo key and their group key include each image's content hash.
-A bad row gets an error result; an exception while computing fails only the rows of that group.
+memo key and their group key include each image's content hash, the index knows their states by key tokens
+(statecache.vision.RowImages.keys), and a new image state plants from the packed forward like a text one.
 Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
 """
 
@@ -22,14 +28,19 @@ from collections import OrderedDict
 
 import torch
 
+from .budget import DEFAULT_FRACTION, Budget, cache_budget, device_free_bytes, forward_workspace_bytes
 from .cache import CacheSettings, StateCache
+from .compile_cache import use_persistent_caches
 from .kernels import kernels_for
+from .config import load_config
 from .loader import load_weights
 from .memo import Memo, row_key
 from .model import Qwen35
 from .plain import PlainPath
+from .policy import ColdContext, ColdPolicy, PlantWhenItFits
 from .rows import RowError, check_row, error_result
 from .runner import ChunkRunner
+from .specialists import load_specialists
 
 log = logging.getLogger("statecache.engine")
 LETTERS = list(string.ascii_uppercase)
@@ -54,13 +65,16 @@ class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
-                 compile: bool | None = None, precapture: bool = False):
+                 compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
+                 specialists=None, cache_fraction: float | None = None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
             model_dir = tiny_model_dir()
         self.model_dir = str(model_dir)
         self.device = torch.device(device or default_device())
+        if self.device.type == "cuda":
+            use_persistent_caches()  # before anything compiles or autotunes
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -73,8 +87,12 @@ class Engine:
             raise ValueError(f"the tokenizer in {self.model_dir} lacks single tokens for the letters A-Z")
         self.letter_ids: list[int] = list(ids)
         t0 = time.perf_counter()
+        # specialists (a folder, statecache.specialists.folder): checked in full before the model's weights load
+        self.specialists = None if specialists is None else load_specialists(
+            specialists, load_config(self.model_dir), self.device, self.dtype)
         weights = load_weights(self.model_dir, self.letter_ids, self.device, self.dtype)
         self.load_s = time.perf_counter() - t0
+        self.loaded_at = time.time()  # wall clock: start-up is measured from here (bench/load_bench.py)
         self.model = Qwen35(weights)
         if compile is None:  # fused elementwise kernels on the GPU (measured on an H200, 9B shape: bench/README.md)
             compile = self.device.type == "cuda" and os.environ.get("STATECACHE_COMPILE", "1") != "0"
@@ -82,15 +100,23 @@ class Engine:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         self.kernels = kernels_for(self.device, compile)
+        auto_budget = cache_mb is None and settings is None  # else the caller's figure (cache_mb, else settings.mb)
         settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb
-        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
+        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks,
+                                  specialists=self.specialists)
         self.cache = StateCache(self.runner, settings)
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
-        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
-        self.memo = Memo(memo_entries)
-        self.images, self.embeddings = None, None
+        if self.precapture_info is not None:
+            info = self.precapture_info
+            log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
+                     f"; failed: {info['failed']}" if info["failed"] else "")
+        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
+                               specialists=self.specialists)
+        # image rows (a checkpoint with a vision tower and an image processor): the tower loads before the cache's
+        # budget is sized from the memory left
+        self.embeddings = None
         from .images import ImageSupport
 
         self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
@@ -98,23 +124,57 @@ class Engine:
             from .vision import Embeddings, VisionTower
 
             self.embeddings = Embeddings(self.images, VisionTower.from_checkpoint(self.model_dir, self.device, self.dtype))
+        self.budget = self._size_cache(settings, auto_budget, cache_fraction, max(plain_tokens, max_row_tokens))
+        self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
-        self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
+        self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
+        self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
+
+    def _size_cache(self, settings: CacheSettings, auto: bool, fraction: float | None, largest: int) -> Budget:
+        """The cache's bound (statecache.budget): the caller's figure, else on CUDA a fraction of the memory free now
+        (weights, static buffers and captured graphs are in place) less the largest forward's workspace, else the
+        CPU default. Logged in MiB and in 4k-token states."""
+        cfg, nbytes = self.model.cfg, torch.tensor([], dtype=self.dtype).element_size()
+        free = workspace = None
+        if auto and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free = device_free_bytes(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+            workspace = max(forward_workspace_bytes(cfg, largest, nbytes), peak)
+        budget = cache_budget(cfg, nbytes, setting_mb=None if auto else settings.mb, free_bytes=free,
+                              workspace_bytes=workspace or 0, fraction=DEFAULT_FRACTION if fraction is None else fraction,
+                              stride=settings.stride, tail=settings.tail, align=settings.align)
+        self.cache.s.mb = budget.mb
+        self.cache.index.budget_bytes = budget.mb * 2**20
+        mem = ""
+        if self.device.type == "cuda":
+            mem = (f"; torch allocated {torch.cuda.memory_allocated(self.device) / 2**20:.0f} MiB, reserved "
+                   f"{torch.cuda.memory_reserved(self.device) / 2**20:.0f} MiB")
+        log.info("%s%s", budget.describe(), mem)
+        return budget
 
     @classmethod
     def from_env(cls, **kw) -> "Engine":
-        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7); also
-        STATECACHE_PRECAPTURE=1 (capture every chunk graph at start-up) and STATECACHE_COMPILE=0 (no torch.compile)."""
+        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7; unset: sized
+        from the device, STATECACHE_CACHE_FRACTION of its free memory, default 0.9); also
+        STATECACHE_PRECAPTURE=0 (capture chunk graphs on first use instead of at start-up) and STATECACHE_COMPILE=0
+        (no torch.compile)."""
+        fraction = os.environ.get("STATECACHE_CACHE_FRACTION")
+        kw.setdefault("cache_fraction", float(fraction) if fraction else None)
         return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
                    os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None),
-                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "0") == "1", **kw)
+                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "1") != "0", **kw)
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
-    def answer(self, rows: list, backed_up: bool = False) -> list[dict]:
+    def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None) -> list[dict]:
+        """One result per row, in order. waiting_rows: rows queued behind this batch (for the cold_ok policy).
+        backed_up: the old signature's flag, accepted from callers not yet updated and ignored."""
         results: list[dict | None] = [None] * len(rows)
         self.counts["batches"] += 1
         todo = []  # (index, row, memo key)
+        first: dict = {}  # memo key -> index of its first row in this batch
+        repeats = []  # (index, index of the same row's first occurrence)
         for i, raw in enumerate(rows):
             self.counts["rows"] += 1
             try:
@@ -135,19 +195,49 @@ class Engine:
                 key = (key, row["mm"].digests)
             if (hit := self._memo(key)) is not None:
                 results[i] = hit
+            elif key in first:  # the same row twice in one batch: computed once
+                repeats.append((i, first[key]))
             else:
+                first[key] = i
                 todo.append((i, row, key))
+        self._run(todo, len(rows), waiting_rows, results)
+        for i, j in repeats:
+            res = results[j]
+            results[i] = dict(res, path="memo", reused=0, computed=0) if "probs" in res else dict(res)
+            if "probs" in res:
+                self.counts["memo"] += 1
+        return results  # type: ignore[return-value]
+
+    def _run(self, todo, batch_rows: int, waiting_rows: int, results) -> None:
+        """Compute the distinct rows of a batch (see the module docstring for the order of the paths)."""
         groups, plain = self._groups(todo)
+        cached, planting = [], []  # groups with a saved state; groups of new states the policy lets plant
         for members in groups.values():
+            if self._has_state(members[0][1]):
+                cached.append(members)
+            elif self._plant_ok(members, batch_rows, waiting_rows):
+                # with specialists a new state plants through the cache's chunked path (route-aware checkpoints)
+                (cached if self.specialists is not None else planting).append(members)
+            else:
+                self.counts["declined"] += 1
+                plain += members
+        # one packed forward: the rows the cache does not take, and the first row of each new state (which plants)
+        self._plain(plain, results, [m[0] for m in planting])
+        for members in cached + [m[1:] for m in planting]:
             try:
-                plain += self._cached_group(members, backed_up, results)
+                plain_later = self._cached_group(members, results)
+            except RowError as e:  # an image that decoded when checked but not now
+                plain_later = []
+                for i, _, _ in members:
+                    if results[i] is None:
+                        results[i] = self._error(e.code, e.message)
             except Exception as e:  # noqa: BLE001
                 log.exception("cached path failed")
+                plain_later = []
                 for i, _, _ in members:
                     if results[i] is None:
                         results[i] = self._error("internal", f"{type(e).__name__}: {e}")
-        self._plain(plain, results)
-        return results  # type: ignore[return-value]
+            self._plain(plain_later, results)
 
     def _groups(self, todo) -> tuple["OrderedDict[tuple, list]", list]:
         """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
@@ -165,51 +255,93 @@ class Engine:
             groups.setdefault(tuple(keys[:p]), []).append(item)
         return groups, plain
 
-    def _cached_group(self, members, backed_up: bool, results) -> list:
+    def _has_state(self, row) -> bool:
+        """Does the cache hold a checkpoint this row's state can continue from?"""
+        p = row["state_len"] - row["state_len"] % self.cache.s.align
+        keys = row["mm"].keys if "mm" in row else row["ids"]
+        return self.cache.index.lookup(keys, limit=p) is not None
+
+    def _plant_ok(self, members, batch_rows: int, waiting_rows: int) -> bool:
+        """The cold_ok policy, asked once for a new state (the group's shared state)."""
+        row = members[0][1]
+        idx = self.cache.index
+        ctx = ColdContext(state_tokens=row["state_len"] - row["state_len"] % self.cache.s.align,
+                          state_bytes=self.cache.state_bytes(row["state_len"]), budget_bytes=idx.budget_bytes,
+                          used_bytes=idx.bytes, sharing_rows=len(members), batch_rows=batch_rows,
+                          waiting_rows=max(0, int(waiting_rows or 0)))
+        return bool(self.cold_ok(ctx))
+
+    def _cached_group(self, members, results) -> list:
         """Run a group's rows through the cache; returns those it declines (for the plain path)."""
         declined = []
-        shared = len({key for _, _, key in members}) > 1  # other *different* rows wait on this state
-        self.cache.cold_ok = lambda: not backed_up
         for i, row, key in members:
             if (hit := self._memo(key)) is not None:  # the same row twice in one batch
                 results[i] = hit
                 continue
-            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], plant_anyway=shared,
-                                 images=row.get("mm"))
+            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=row.get("mm"))
             if ans is None:
                 declined.append((i, row, key))
                 continue
             res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+            if ans.route is not None:
+                res["route"] = self.specialists.names[ans.route]
             self.memo.put(key, res)
             results[i] = res
         return declined
 
-    def _plain(self, items, results) -> None:
+    def _plain(self, items, results, planting=()) -> None:
+        """One packed forward (statecache.plain) of `items` (the plain path: nothing planted) and of `planting`
+        (the first rows of new states: their checkpoints are planted, their path is "cold")."""
         unique: OrderedDict = OrderedDict()
+        for i, row, key in planting:
+            unique.setdefault(key, (row, [], True))[1].append(i)
         for i, row, key in items:
-            unique.setdefault(key, (row, []))[1].append(i)
+            unique.setdefault(key, (row, [], False))[1].append(i)
         if not unique:
             return
+        plans = [self.cache.plan(r["state_len"]) if plant else None for r, _, plant in unique.values()]
         try:
-            outs = self.plain.forward([(r["ids"], r["slots"], r["nopts"], r.get("mm")) for r, _ in unique.values()])
+            outs, planted = self.plain.run(
+                [(r["ids"], r["slots"], r["nopts"], r.get("mm")) for r, _, _ in unique.values()], plans)
         except RowError as e:  # an image that decoded when checked but not now: the rows of this forward fail
-            for _, idx in unique.values():
+            for _, idx, _ in unique.values():
                 for i in idx:
                     results[i] = self._error(e.code, e.message)
             return
         except Exception as e:  # noqa: BLE001
             log.exception("plain path failed")
-            for _, idx in unique.values():
+            for _, idx, _ in unique.values():
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        for (key, (row, idx)), probs in zip(unique.items(), outs):
-            res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
+        for (key, (row, idx, plant)), (probs, route), pl in zip(unique.items(), outs, planted):
+            if plant:
+                try:
+                    keys = row["mm"].keys if "mm" in row else row["ids"]
+                    self.cache.plant_planted(keys, len(row["ids"]), pl.snaps(), pl.K, pl.V)
+                except Exception:  # noqa: BLE001 - the answer stands; only the planting is lost
+                    log.exception("planting a packed row's checkpoints failed")
+                res = {"probs": probs, "path": "cold", "reused": 0, "computed": len(row["ids"])}
+            else:
+                res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
+                self.counts["plain"] += 1
+                self.counts["plain_tokens"] += len(row["ids"])
+            if route is not None:
+                res["route"] = self.specialists.names[route]
             self.memo.put(key, res)
-            self.counts["plain"] += 1
-            self.counts["plain_tokens"] += len(row["ids"])
             for k, i in enumerate(idx):
                 results[i] = res if k == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
+
+    def plant_with_graphs(self, on: bool = True) -> bool:
+        """A lone new state's planting forward as pieces of CUDA graphs (statecache.plant.PlantGraphs) instead of
+        eagerly packed: experimental, off by default until bench/gpu_plant.py has checked it on the GPU. Returns
+        whether it is on (never without CUDA graphs)."""
+        from .plant import PlantGraphs
+
+        p = self.plain
+        p.planter = (PlantGraphs(self.model, self.kernels, p.pool, p.max_graph_tokens, p.stats, p.failures)
+                     if on and p.use_graphs else None)
+        return p.planter is not None
 
     def _memo(self, key) -> dict | None:
         hit = self.memo.get(key)
@@ -225,8 +357,21 @@ class Engine:
 
     def stats(self) -> dict:
         c = self.cache.info()
-        return {**{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
+        spec = {} if self.specialists is None else {"mispredict": c["mispredict"], "specialists": self.specialists.info()}
+        return {**spec, **{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "load_s": round(self.load_s, 3),
+                "loaded_at": self.loaded_at, "precapture": self.precapture_info, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
                 "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
+                "budget": dataclasses.asdict(self.budget), **self._device_memory(),
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
+
+    def _device_memory(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"device_memory_mb": {"allocated": mib(torch.cuda.memory_allocated(self.device)),
+                                     "reserved": mib(torch.cuda.memory_reserved(self.device)),
+                                     "peak_allocated": mib(torch.cuda.max_memory_allocated(self.device)),
+                                     "free": mib(free), "total": mib(total)}}

@@ -1,8 +1,10 @@
 """Row contract checks (DESIGN.md section 7): a row from the queue in, a validated row or a clear error out.
 
 Knows the row's shape only: token rows (`ids`, `state_len`, `slots`, `nopts`) and text rows (`state`,
-`questions`), either with optional `images` (checked by statecache.images, which `check_row` hands them to). Does not know the model beyond its vocabulary size, nor the tokenizer (text rows are turned
-into token rows by `statecache.text`), nor the queue. No torch: every check here runs in microseconds.
+`questions`), either with optional `images` (checked by statecache.images, which `check_row` hands them to).
+Does not know the model beyond its vocabulary size, nor the tokenizer (text rows are turned into token rows by
+`statecache.text`), nor the queue. No torch: the checks over a row's ids run as C loops (a set of the element
+types, numpy's min and max), ~0.1 ms for 4k ids (bench/host_path.py).
 
 Rows arrive through msgpack, so anything may come: bools where ints belong (bool is an int in Python, so it
 is rejected by type, not by value), floats, strings, nested junk. Every problem becomes a `RowError` with a
@@ -12,6 +14,8 @@ short snake_case `code` and a message that names the field and the bad value.
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 MIN_OPTIONS = 2
 MAX_OPTIONS = 26  # letters A..Z
@@ -66,9 +70,21 @@ def _int(value: Any, where: str) -> int:
 def _int_list(value: Any, where: str) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise RowError("bad_type", f"{where} must be a list of ints, got {type(value).__name__}")
-    if all(type(x) is int for x in value):  # the fast path: what msgpack delivers for a good row
+    if set(map(type, value)) <= _INT:  # the fast path (C loops only): what msgpack delivers for a good row
         return list(value)
     return [_int(x, f"{where}[{i}]") for i, x in enumerate(value)]
+
+
+_INT = {int}
+
+
+def _id_range(ids: list[int]) -> tuple[int, int]:
+    """min and max of the ids, over an int64 array when they fit in one (a C loop), else in Python."""
+    try:
+        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    except OverflowError:
+        return min(ids), max(ids)
+    return int(arr.min()), int(arr.max())
 
 
 def check_token_row(row: Any, vocab_size: int, max_tokens: int) -> dict:
@@ -83,7 +99,7 @@ def check_token_row(row: Any, vocab_size: int, max_tokens: int) -> dict:
         raise RowError("empty", "ids is empty")
     if n > max_tokens:
         raise RowError("too_long", f"row has {n} tokens, more than the limit {max_tokens}")
-    lo, hi = min(ids), max(ids)
+    lo, hi = _id_range(ids)
     if lo < 0 or hi >= vocab_size:
         i = next(i for i, x in enumerate(ids) if x < 0 or x >= vocab_size)
         raise RowError("id_out_of_range", f"ids[{i}] = {ids[i]} is outside [0, {vocab_size})")

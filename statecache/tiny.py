@@ -7,8 +7,11 @@ never sees half a model and two processes racing to make it both end up with one
 
 ``tiny_vl_model_dir()`` is the same model in the released multimodal layout (``Qwen3_5ForConditionalGeneration``) with
 a tiny vision tower, an image processor config and the image tokens in its tokenizer (``tiny-vl-v1``): image rows.
+``tiny_specialists_dir()`` makes (the same way, once) a random specialists folder for the text model: three routes
+(the trunk and two PEFT LoRA adapters written by peft's own ``save_pretrained``), router at layer 2.
 
-``python -m statecache.tiny`` prints the folder (``--vision``: the multimodal one).
+``python -m statecache.tiny`` prints the model's folder (``--vision``: the multimodal one);
+``python -m statecache.tiny specialists`` the specialists'.
 """
 
 from __future__ import annotations
@@ -143,20 +146,35 @@ def _build_vl(out_dir: Path) -> None:
                     max_pixels=VL_MAX_PIXELS, min_pixels=VL_MIN_PIXELS, **SHAPE)
 
 
+def _build_specialists(out_dir: Path) -> None:
+    from .specialists.make import make_specialists
+
+    # alpha: every projection of layers 3-7; beta: a few projections of layers 4, 5 and 7, ranks and alphas varied
+    beta = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "in_proj_z", "out_proj", "gate_proj", "down_proj"],
+                layers_to_transform=[4, 5, 7], rank_pattern={"gate_proj": 3}, alpha_pattern={"down_proj": 2})
+    make_specialists(tiny_model_dir(), out_dir, routes=("trunk", "alpha", "beta"), router_layer=2,
+                     adapters={"beta": beta}, seed=SEED)
+
+
 def tiny_model_dir() -> Path:
     """The tiny model's folder, made on first use (atomically; safe when processes race)."""
-    return _made(NAME, _build)
+    return _made(NAME, "config.json", _build)
 
 
 def tiny_vl_model_dir() -> Path:
     """The tiny model with a vision tower (conditional layout), made on first use like tiny_model_dir."""
-    return _made(VL_NAME, _build_vl)
+    return _made(VL_NAME, "config.json", _build_vl)
 
 
-def _made(name: str, build) -> Path:
+def tiny_specialists_dir() -> Path:
+    """A random specialists folder for the tiny model (3 routes), made on first use like the model."""
+    return _made(NAME + "-specialists", "router.json", _build_specialists)
+
+
+def _made(name: str, marker: str, build) -> Path:
     home = statecache_home()
     final = home / name
-    if (final / "config.json").is_file():
+    if (final / marker).is_file():
         return final
     home.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=home))
@@ -165,7 +183,7 @@ def _made(name: str, build) -> Path:
         try:
             os.rename(tmp, final)
         except OSError:  # someone else renamed theirs into place first
-            if not (final / "config.json").is_file():
+            if not (final / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -175,4 +193,6 @@ def _made(name: str, build) -> Path:
 if __name__ == "__main__":
     import sys
 
-    print(tiny_vl_model_dir() if "--vision" in sys.argv[1:] else tiny_model_dir())
+    args = sys.argv[1:]
+    print(tiny_specialists_dir() if args == ["specialists"] else tiny_vl_model_dir() if "--vision" in args
+          else tiny_model_dir())

@@ -1,9 +1,9 @@
 """A fake engine with the real engine's interface (statecache.engine.Engine), for worker tests without torch.
 
-Same contract: `answer(rows, backed_up)` returns one result per row and never raises for a bad row; rows are
-checked with statecache.rows/text; the paths follow DESIGN.md section 4 (memo for an exact repeat, hit for a
-state planted before, cold for the first row of a new state, plain for a new state under backlog that no
-other row of the batch shares). Answers are a deterministic function of the row's tokens.
+Same contract: `answer(rows, waiting_rows=0)` returns one result per row and never raises for a bad row (the old
+`backed_up=` keyword is accepted, as the engine accepts it); rows are checked with statecache.rows/text; the paths
+follow DESIGN.md section 4 (memo for an exact repeat, hit for a state planted before, cold for the first row of a
+new state: every forward plants, whatever the backlog). Answers are a deterministic function of the row's tokens.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class FakeEngine:
         self.release = threading.Event()  # cleared by a test: answer() blocks until it is set
         self.release.set()
 
-    def answer(self, rows: list, backed_up: bool = False) -> list[dict]:
+    def answer(self, rows: list, waiting_rows: int = 0, backed_up: bool = False) -> list[dict]:
         self.threads.add(threading.current_thread().name)
         self.release.wait()
         self.calls.append((len(rows), backed_up))
@@ -59,10 +59,9 @@ class FakeEngine:
             isinstance(r, dict) and r["state_len"] == self.fail_on_state_len for r in checked
         ):
             raise RuntimeError("fake engine failure")
-        sharing = Counter(tuple(r["ids"][: r["state_len"]]) for r in checked if isinstance(r, dict))
-        return [self._one(r, backed_up, sharing) for r in checked]
+        return [self._one(r) for r in checked]
 
-    def _one(self, row, backed_up: bool, sharing: Counter) -> dict:
+    def _one(self, row) -> dict:
         if isinstance(row, RowError):
             return error_result(row.code, row.message)
         key = (tuple(row["ids"]), tuple(row["slots"]), tuple(row["nopts"]))
@@ -73,8 +72,6 @@ class FakeEngine:
             path, reused = "memo", n
         elif state in self.planted:
             path, reused = "hit", len(state)
-        elif backed_up and sharing[state] < 2:
-            path, reused = "plain", 0
         else:
             path, reused = "cold", 0
             self.planted.add(state)
@@ -95,12 +92,12 @@ class GatedEngine:
         self.__dict__.update(inner=inner, gate=threading.Event(), calls=[], entered=0, delay_s=delay_s)
         self.gate.set()
 
-    def answer(self, rows: list, backed_up: bool = False) -> list[dict]:
+    def answer(self, rows: list, waiting_rows: int = 0, backed_up: bool = False) -> list[dict]:
         self.__dict__["entered"] += 1
         self.gate.wait()
         self.calls.append((len(rows), backed_up))
         time.sleep(self.delay_s)
-        return self.inner.answer(rows, backed_up=backed_up)
+        return self.inner.answer(rows, waiting_rows=waiting_rows)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

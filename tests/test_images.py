@@ -371,3 +371,143 @@ def test_jpeg_and_webp_rows_answer(make, ref):
             for k, f in enumerate(["JPEG", "WEBP"])]
     res = eng.answer(rows)
     check(eng, ref, rows, res)
+
+
+# ---- with the other paths: planting from the packed forward, specialists -------------------------------------------
+
+
+def test_packed_forward_plants_an_image_state_as_the_chunked_path_does(model_dir):
+    """A new image state's first row plants from the batch's packed forward (statecache.plant): its checkpoints
+    (conv tails, GDN states) and K/V (rotated at the multimodal positions) equal what the cache's chunked path plants
+    for the same row, and they are filed under the row's image key tokens."""
+    from statecache.vision import RowImages
+
+    raw = {"state": f"{WORDS * 2}{PLACEHOLDER}{WORDS * 3}", "questions": [q("Which field?")], "images": [png(110)]}
+    settings = CacheSettings(min_prefix=64, stride=64)
+    packed = Engine(model_dir, device="cpu", dtype="float32", max_pos=2048, settings=settings)
+    calls = []
+    own_row = packed.cache.row
+    packed.cache.row = lambda *a, **kw: calls.append(a) or own_row(*a, **kw)
+    res = packed.answer([raw])[0]
+    assert res["path"] == "cold" and not calls  # planted by the packed forward, not the chunked path
+    chunked = Engine(model_dir, device="cpu", dtype="float32", max_pos=2048, settings=settings)
+    row = check_row(raw, chunked.vocab_size, 4096, chunked.tokenizer, chunked.images)
+    mm = RowImages(row["ids"], row["images"], chunked.embeddings, chunked.device)
+    ans = chunked.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=mm)
+    assert ans.path == "cold"
+    assert_close(res["probs"], ans.probs, TOL)
+    got = {c.pos: c for c in packed.cache.index.lru_order()}
+    want = {c.pos: c for c in chunked.cache.index.lru_order()}
+    assert sorted(got) == sorted(want) and any(p > row["images"][0].end for p in got)
+    for pos, c in want.items():
+        g = got[pos]
+        assert list(g.group.tokens) == list(mm.keys[: len(g.group.tokens)]) != row["ids"][: len(g.group.tokens)]
+        for a, b in zip(g.payload[:2], c.payload[:2]):
+            assert (a - b).abs().max().item() <= TOL
+        for a, b in zip(g.group.payload[:2], c.group.payload[:2]):
+            assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
+
+
+@pytest.fixture(scope="module")
+def vl_specialists(model_dir, tmp_path_factory):
+    """A random 3-route specialists folder for the tiny model with a vision tower (adapters on the text layers); the
+    router's bias keeps it off the trunk, so the image rows below pick both adapters."""
+    from statecache.specialists.make import make_specialists
+
+    return make_specialists(model_dir, tmp_path_factory.mktemp("vl-spec"), routes=("trunk", "alpha", "beta"),
+                            router_layer=2, seed=3, bias=[0.0, 3.0, 3.0])
+
+
+def _spec_reference(eng: Engine, ref_, raw: dict) -> tuple[str, list[list[float]]]:
+    row = check_row(raw, eng.vocab_size, eng.max_row_tokens, eng.tokenizer, eng.images)
+    ids = torch.tensor([row["ids"]])
+    kw = {}
+    if row.get("images"):
+        pv = [eng.images.pixels(r.data) for r in row["images"]]
+        kw = dict(pixel_values=torch.cat([p for p, _ in pv]), image_grid_thw=torch.tensor([g for _, g in pv]),
+                  mm_token_type_ids=(ids == eng.images.image_token_id).int())
+    route, probs = ref_.answers(row["ids"], row["slots"], row["nopts"], **kw)
+    return ref_.names[route], probs
+
+
+def test_image_rows_with_specialists(make, model_dir, vl_specialists):
+    """Image rows with specialists, against transformers' Qwen3_5ForConditionalGeneration with peft's adapters and
+    the router over its hidden states: cached (a new state plants through the chunked path, hit, grown state,
+    another image; wrong route guesses forced, so rows rerun with the router's route) and plain (packed with a text
+    row)."""
+    from tests.spec_util import SpecReference
+
+    eng = make(specialists=vl_specialists)
+    ref_ = SpecReference(model_dir, vl_specialists, eng.letter_ids)
+    state = f"{WORDS * 3}{PLACEHOLDER}{WORDS * 2}"
+    a = {"state": state, "questions": [q("Where is the button?")], "images": [png(120)]}
+    grown = state + "scrolled down; " * 12
+    rows = [a, dict(a, questions=[q("Is the form complete?", 2)]), dict(a, state=grown), dict(a, images=[png(121)]),
+            dict(a, questions=[q("Next?", 4)]), dict(a, state=grown + "typed a name; " * 6)]
+    wrong = iter([1, 2, 0, 1, 2, 0])
+    own = eng.cache.guess
+    eng.cache.guess = lambda best: (next(wrong) if best is not None else own(best))
+    got = []
+    for raw in rows:
+        res = eng.answer([raw])[0]
+        assert "probs" in res, res
+        route, want = _spec_reference(eng, ref_, raw)
+        assert res["route"] == route
+        assert_close(res["probs"], want, TOL)
+        got.append(res)
+    assert {r["route"] for r in got} == {"alpha", "beta"}
+    assert got[0]["path"] == "cold" and [r["path"] for r in got].count("hit") >= 2, got
+    img_end = check_row(rows[-1], eng.vocab_size, 4096, eng.tokenizer, eng.images)["images"][0].end
+    assert got[-1]["path"] == "partial" and got[-1]["reused"] > img_end  # a grown state, restored past the image
+    assert eng.cache.stats["mispredict"] >= 2
+    assert eng.embeddings.stats["vision_runs"] == 2
+    for c in eng.cache.index.lru_order():  # a checkpoint's feature sum, under its image key tokens
+        assert c.payload[2].shape == (eng.model.cfg.hidden_size,)
+
+    plain = make(specialists=vl_specialists, settings=CacheSettings(mb=0))
+    batch = rows[:2] + [{"state": WORDS * 3, "questions": [q("Text only?")]}]
+    res = plain.answer(batch)
+    for raw, r in zip(batch, res):
+        assert r["path"] == "plain"
+        route, want = _spec_reference(plain, ref_, raw)
+        assert r["route"] == route
+        assert_close(r["probs"], want, TOL)
+
+
+def test_image_rows_with_specialists_through_replayed_graphs(fake_graphs, model_dir, ref, vl_specialists):  # noqa: F811
+    """Stand-in graphs with specialists: the chunk graphs' inputs carry both the route and the rotary shift; every
+    route's image row, cold, hit and grown, equals the eager plain path's answer and route."""
+    from statecache.cache import StateCache
+    from statecache.kernels import TorchKernels
+    from statecache.plain import PlainPath
+    from statecache.runner import ChunkRunner
+    from statecache.specialists import load_specialists
+    from statecache.vision import RowImages
+
+    eng = Engine(model_dir, device="cpu", dtype="float32")
+    spec = load_specialists(vl_specialists, eng.model.cfg)
+    runner = ChunkRunner(eng.model, TorchKernels(), graphs=True, max_pos=1024, specialists=spec)
+    cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128))
+    plain = PlainPath(eng.model, TorchKernels(), specialists=spec)
+    state = f"{WORDS * 2}{PLACEHOLDER}{WORDS * 4}"
+    raws = [{"state": state, "questions": [q(f"Question {k}?")], "images": [png(130)]} for k in range(3)]
+    raws.append(dict(raws[0], state=state + "one more step was taken; " * 8))
+    guesses = iter([None, 1, 2, 0])
+    own = cache.guess
+    paths, routes = [], set()
+    for raw in raws:
+        g = next(guesses)
+        cache.guess = lambda best, g=g: own(best) if g is None else g
+        row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
+        mm = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)
+        ans = cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=mm)
+        assert ans is not None
+        (want, route), = plain.answer([(row["ids"], row["slots"], row["nopts"], mm)])
+        assert ans.route == route
+        assert_close(ans.probs, want, TOL)
+        paths.append(ans.path)
+        routes.add(ans.route)
+    # an adapter route (not the trunk) answers; the forced wrong guesses ran the graphs with the other routes first
+    assert paths == ["cold", "hit", "hit", "partial"] and 0 not in routes, (paths, routes)
+    assert cache.stats["mispredict"] >= 2
+    assert sum(g.graph.replays for g in runner.graphs.values() if g is not None) > 0

@@ -123,7 +123,7 @@ def test_followers_of_a_new_state_are_hits(live):
     assert all(h["reused"] > 0 and h["computed"] < cold[0]["computed"] for h in hits)
 
 
-def test_backlog_new_singletons_go_plain_shared_states_are_planted(redis_url, queue_name):
+def test_backlog_still_plants_every_new_state(redis_url, queue_name):
     with InProcessWorker(redis_url, queue_name, lambda: GatedEngine(Engine()), backlog_rows=3) as w:
         rows = [
             {"state": state("eve"), "questions": [Q[0]]},
@@ -142,8 +142,8 @@ def test_backlog_new_singletons_go_plain_shared_states_are_planted(redis_url, qu
         under_load, alone = run(main())
         assert w.engine.calls == [(1, False)]
     paths = [r["path"] for r in under_load]
-    assert paths[:2] == ["plain", "plain"] and sorted(paths[2:]) == ["cold", "hit"], paths
-    assert alone["path"] == "cold"  # one agent asking is no backlog: its new state is planted
+    assert paths[:2] == ["cold", "cold"] and sorted(paths[2:]) == ["cold", "hit"], paths  # every forward plants
+    assert alone["path"] == "cold"
 
 
 BAD_ROWS = [

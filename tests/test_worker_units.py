@@ -65,7 +65,7 @@ def test_backed_up_is_asked_with_the_rows_waiting():
     results = run(main())
     gpu.stop(5)
     assert seen == [1, 4] and engine.calls == [(1, False), (4, True)]
-    assert [r["path"] for r in results[1:]] == ["plain"] * 4
+    assert [r["path"] for r in results[1:]] == ["cold"] * 4  # a backlog no longer sends new states plain
 
 
 def test_engine_exception_costs_only_the_bad_row(caplog):
