@@ -9,12 +9,18 @@ An LRU bounded in bytes (states, conv tails and each group's K/V once) is enforc
 With specialists (the runner's `spec`), a checkpoint also holds the router's feature sum over its tokens and is
 planted under the route its adapter layers ran with; `row` guesses a route and reruns a misprediction.
 
+Image rows (statecache.vision.RowImages) are known to the index by their key tokens: each image-pad token replaced
+by a key derived from its image's sha256, so the same screenshot with a new question is a hit and a different one
+at the same place never matches. A checkpoint after an image needs no stored rotary offset: the offset at a
+position is a function of the tokens before it (the images' grids), which the lookup proved equal, so the row's
+own positions (RowImages) continue it; chunks holding image tokens run eagerly with the image embeddings.
+
 `row` returns None when the row must take the plain path instead: it is not eligible or a chunk shape cannot be
 captured. A new state can also be planted from outside: `plan` gives its checkpoint positions, a packed forward
 (statecache.plain with statecache.plant) computes them, and `plant_planted` stores them as one group, in the payload
-format `row` plants (so later rows hit them through `row`). Whether a new state is planted at all is not decided
-here (statecache.policy; statecache.engine asks it). This module knows nothing of Redis, text, the memo or
-batching: statecache.engine decides which rows come here.
+format `row` plants (so later rows hit them through `row`; an image row's group under its key tokens). Whether a new
+state is planted at all is not decided here (statecache.policy; statecache.engine asks it). This module knows
+nothing of Redis, text, the memo or batching: statecache.engine decides which rows come here.
 """
 
 from __future__ import annotations
@@ -73,10 +79,11 @@ class StateCache:
     def _down(self, x: int) -> int:
         return x - x % self.s.align
 
-    def eligible(self, ids, state_len: int, slots, n_images: int = 0) -> bool:
-        """Section 3's eligibility: a long enough state, 1..max_slots slots at or after p, a question that fits."""
+    def eligible(self, ids, state_len: int, slots) -> bool:
+        """Section 3's eligibility: a long enough state, 1..max_slots slots at or after p, a question that fits
+        (rows with images too: see the module docstring)."""
         p, n = self._down(state_len), len(ids)
-        if self.s.mb <= 0 or n_images or p < self.s.min_prefix or not 0 < len(slots) <= self.s.max_slots:
+        if self.s.mb <= 0 or p < self.s.min_prefix or not 0 < len(slots) <= self.s.max_slots:
             return False
         return min(slots) >= p and self.runner.shape(p, n) is not None
 
@@ -97,9 +104,10 @@ class StateCache:
     # ---- a row ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def row(self, ids, state_len: int, slots: list[int], nopts: list[int]) -> Answer | None:
+    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], images=None) -> Answer | None:
         """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the
-        plain path.
+        plain path. images: the row's statecache.vision.RowImages, or None; the index knows an image row by its
+        key tokens (images.keys), not its ids.
 
         With specialists the route is known only after the last chunk (the router averages over the whole row), so
         the row runs with a guessed route (`guess`) from the deepest checkpoint of that route; when the router
@@ -110,21 +118,22 @@ class StateCache:
             return None
         n, p = len(ids), self._down(state_len)
         spec = self.runner.spec
-        best = self.index.lookup(ids, limit=p)
+        keys = ids if images is None else images.keys  # what the index knows the state by
+        best = self.index.lookup(keys, limit=p)
         guess = 0
         if spec is not None:
             guess = self.guess(best)
             if best is not None and best.route != guess:
-                best = self.index.lookup(ids, limit=p, route=guess)
-        first = self._run_row(ids, state_len, p, n, slots, nopts, best, guess)
+                best = self.index.lookup(keys, limit=p, route=guess)
+        first = self._run_row(ids, state_len, p, n, slots, nopts, best, guess, images)
         if first is None:
             return None
         probs, snaps, route, c0 = first
         computed, start, final = n - c0, best, first
         if spec is not None and route != guess:
             self.stats["mispredict"] += 1
-            start = self.index.lookup(ids, limit=p, route=route)
-            final = self._run_row(ids, state_len, p, n, slots, nopts, start, route)
+            start = self.index.lookup(keys, limit=p, route=route)
+            final = self._run_row(ids, state_len, p, n, slots, nopts, start, route, images)
             if final is None:
                 return None
             probs, snaps, _, c0 = final
@@ -139,7 +148,7 @@ class StateCache:
         if start is not None:
             self.index.touch(start)
         if snaps:
-            self._plant(ids, p, snaps, route)
+            self._plant(keys, p, snaps, route)
         self.stats["evicted"] += len(self.index.evict())
         return Answer([probs[j, : nopts[j]].tolist() for j in range(len(slots))], path, c0, computed,
                       route if spec is not None else None)
@@ -148,10 +157,11 @@ class StateCache:
         """The route a row runs with before its router has spoken: its deepest checkpoint's, else the last row's."""
         return best.route if best is not None else self.last_route
 
-    def _run_row(self, ids, state_len: int, p: int, n: int, slots, nopts, best: Checkpoint | None, route: int):
-        """Restore `best` and run the row with `route` -> (probabilities [slots, letters] on the host, snapshots to
-        plant, the router's route (the given one without specialists), restored position); None when a chunk
-        cannot be run (the row then takes the plain path)."""
+    def _run_row(self, ids, state_len: int, p: int, n: int, slots, nopts, best: Checkpoint | None, route: int,
+                 images=None):
+        """Restore `best` and run the row (images: its RowImages or None) with `route` -> (probabilities [slots,
+        letters] on the host, snapshots to plant, the router's route (the given one without specialists), restored
+        position); None when a chunk cannot be run (the row then takes the plain path)."""
         c0 = best.pos if best is not None else 0
         ends = self.plan(state_len, c0)
         chunks = []  # (start, end, plant a checkpoint at end)
@@ -171,7 +181,7 @@ class StateCache:
             fsum = best.payload[2].clone() if best is not None else torch.zeros_like(fsum_buf)
         snaps = []
         for a, b, plant in chunks:
-            self.runner.run(ids, a, b, route=route)
+            self.runner.run(ids, a, b, route=route, images=images)
             if fsum is not None:
                 fsum += fsum_buf
             if plant:
@@ -179,7 +189,7 @@ class StateCache:
                               fsum.clone() if fsum is not None else None))
             if self.between is not None:  # chunked prefill: short work that arrived meanwhile runs now
                 self.between()
-        out = self.runner.run(ids, p, n, slots, nopts, route=route)
+        out = self.runner.run(ids, p, n, slots, nopts, route=route, images=images)
         if fsum is not None:
             fsum += fsum_buf
             route = spec.router.pick(fsum, n)
@@ -207,7 +217,8 @@ class StateCache:
 
     def plant_planted(self, ids, n: int, snaps, K: torch.Tensor, V: torch.Tensor) -> None:
         """Store what a packed forward computed for a new state: snaps (pos, conv, S) at `plan`'s positions (the
-        last is p), K, V [A, p, Hkv, D]; counted as a cold row of n tokens. Evicts down to the budget. Trunk only:
+        last is p), K, V [A, p, Hkv, D]; counted as a cold row of n tokens. ids: the row's tokens as the index
+        knows them (an image row: its RowImages.keys). Evicts down to the budget. Trunk only:
         with specialists new states are planted by `row` (their checkpoints carry a route and a feature sum)."""
         p = snaps[-1][0]
         if K.shape[1] != p or V.shape[1] != p:
@@ -219,7 +230,7 @@ class StateCache:
         self.stats["evicted"] += len(self.index.evict())
 
     def _plant(self, ids, p: int, snaps, route: int, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """A group over ids[:p] with its checkpoints (pos, conv, S, feature sum | None), planted under `route`; its
+        """A group over ids[:p] (index keys: an image row's RowImages.keys) with its checkpoints (pos, conv, S, feature sum | None), planted under `route`; its
         K/V from the runner's buffers (which then hold them) or given (`kv`)."""
         self._serial += 1
         if kv is None:

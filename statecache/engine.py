@@ -15,6 +15,10 @@ A bad row gets an error result; an exception while computing fails only the rows
 packed forward; a batched call isolates a failing row). With a specialists folder (`specialists=`, checked in
 full before the weights load) every result names its `route`; new states then plant through the cache's own
 chunked path (their checkpoints carry a route and the router's feature sum) and rows continue one at a time.
+Rows with images (checkpoints with a vision tower: statecache.images, statecache.vision): their memo key and their
+group key include each image's content hash, the index knows their states by key tokens
+(statecache.vision.RowImages.keys), a new image state plants from the packed forward like a text one, and their
+continuations run one at a time through the cache (the batched forward has no multimodal positions).
 Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
 """
 from __future__ import annotations
@@ -117,6 +121,16 @@ class Engine:
                      f"; failed: {info['failed']}" if info["failed"] else "")
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
                                specialists=self.specialists)
+        # image rows (a checkpoint with a vision tower and an image processor): the tower loads before the cache's
+        # budget is sized from the memory left
+        self.embeddings = None
+        from .images import ImageSupport
+
+        self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
+        if self.images is not None:
+            from .vision import Embeddings, VisionTower
+
+            self.embeddings = Embeddings(self.images, VisionTower.from_checkpoint(self.model_dir, self.device, self.dtype))
         self.budget = self._size_cache(settings, auto_budget, cache_fraction, max(plain_tokens, max_row_tokens))
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
@@ -191,7 +205,11 @@ class Engine:
         for i, raw in enumerate(rows):
             self.counts["rows"] += 1
             try:
-                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer)
+                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
+                if row.get("images"):
+                    from .vision import RowImages
+
+                    row["mm"] = RowImages(row["ids"], row["images"], self.embeddings, self.device)
             except RowError as e:
                 results[i] = self._error(e.code, e.message)
                 continue
@@ -200,6 +218,8 @@ class Engine:
                 results[i] = self._error("bad_row", f"{type(e).__name__}: {e}")
                 continue
             key = row_key(row["ids"], row["slots"], row["nopts"])
+            if "mm" in row:
+                key = (key, row["mm"].digests)
             if (hit := self._memo(key)) is not None:
                 results[i] = hit
             elif key in first:  # the same row twice in one batch: computed once
@@ -228,8 +248,10 @@ class Engine:
         saved, grown, planting, chunked = [], [], [], []  # groups of rows (i, row, key)
         for members in groups.values():
             row = members[0][1]
-            best = self.cache.index.lookup(row["ids"], limit=self._p(row))
-            if best is not None:
+            best = self.cache.index.lookup(row["mm"].keys if "mm" in row else row["ids"], limit=self._p(row))
+            if best is not None and "mm" in row:  # image rows continue one at a time (multimodal positions)
+                chunked.append(members)
+            elif best is not None:
                 (saved if best.pos == self._p(row) else grown).append(members)
             elif self._plant_ok(members, batch_rows, waiting_rows):
                 # with specialists a new state plants through the cache's chunked path (route-aware checkpoints)
@@ -244,7 +266,8 @@ class Engine:
             chunked = saved + grown + chunked
         self._plain(plain, results, [g[0] for g in planting])
         if self.cache.batch is not None:
-            later += self._batched([m for g in grown + planting for m in g[1:]], results)
+            later += self._batched([m for g in grown + planting if "mm" not in g[0][1] for m in g[1:]], results)
+            chunked += [g[1:] for g in planting if "mm" in g[0][1]]
         else:
             chunked += [g[1:] for g in planting]
         for members in chunked + ([later] if later else []):
@@ -255,6 +278,11 @@ class Engine:
         these rows."""
         try:
             plain_later = self._cached_group(members, results)
+        except RowError as e:  # an image that decoded when checked but not now
+            plain_later = []
+            for i, _, _ in members:
+                if results[i] is None:
+                    results[i] = self._error(e.code, e.message)
         except Exception as e:  # noqa: BLE001
             log.exception("cached path failed")
             plain_later = []
@@ -307,8 +335,10 @@ class Engine:
         results: list[dict | None] = [None] * len(rows)
         items = []
         for i, raw in enumerate(rows):
+            if isinstance(raw, dict) and raw.get("images"):
+                continue  # image rows: later, through `answer` (the batched forward has no multimodal positions)
             try:
-                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer)
+                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
             except RowError as e:
                 results[i] = self._error(e.code, e.message)
                 continue
@@ -338,7 +368,8 @@ class Engine:
                 plain.append(item)
                 continue
             p = row["state_len"] - row["state_len"] % align
-            groups.setdefault(tuple(row["ids"][:p]), []).append(item)
+            keys = row["mm"].keys if "mm" in row else row["ids"]
+            groups.setdefault(tuple(keys[:p]), []).append(item)
         return groups, plain
 
     def _plant_ok(self, members, batch_rows: int, waiting_rows: int) -> bool:
@@ -358,7 +389,7 @@ class Engine:
             if (hit := self._memo(key)) is not None:  # the same row twice in one batch
                 results[i] = hit
                 continue
-            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"])
+            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=row.get("mm"))
             if ans is None:
                 declined.append((i, row, key))
                 continue
@@ -381,8 +412,14 @@ class Engine:
             return
         plans = [self.cache.plan(r["state_len"]) if plant else None for r, _, plant in unique.values()]
         try:
-            outs, planted = self.plain.run([(r["ids"], r["slots"], r["nopts"]) for r, _, _ in unique.values()], plans,
-                                            between=self.cache.between)
+            outs, planted = self.plain.run(
+                [(r["ids"], r["slots"], r["nopts"], r.get("mm")) for r, _, _ in unique.values()], plans,
+                between=self.cache.between)
+        except RowError as e:  # an image that decoded when checked but not now: the rows of this forward fail
+            for _, idx, _ in unique.values():
+                for i in idx:
+                    results[i] = self._error(e.code, e.message)
+            return
         except Exception as e:  # noqa: BLE001
             log.exception("plain path failed")
             for _, idx, _ in unique.values():
@@ -392,7 +429,8 @@ class Engine:
         for (key, (row, idx, plant)), (probs, route), pl in zip(unique.items(), outs, planted):
             if plant:
                 try:
-                    self.cache.plant_planted(row["ids"], len(row["ids"]), pl.snaps(), pl.K, pl.V)
+                    keys = row["mm"].keys if "mm" in row else row["ids"]
+                    self.cache.plant_planted(keys, len(row["ids"]), pl.snaps(), pl.K, pl.V)
                 except Exception:  # noqa: BLE001 - the answer stands; only the planting is lost
                     log.exception("planting a packed row's checkpoints failed")
                 res = {"probs": probs, "path": "cold", "reused": 0, "computed": len(row["ids"])}
@@ -437,7 +475,8 @@ class Engine:
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
                 "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
-                "budget": dataclasses.asdict(self.budget), **self._device_memory()}
+                "budget": dataclasses.asdict(self.budget), **self._device_memory(),
+                **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
 
     def _device_memory(self) -> dict:
         if self.device.type != "cuda":

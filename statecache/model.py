@@ -114,8 +114,16 @@ class Qwen35:
             self.add_norm, self.act, self.gnorm = Fused(add_rmsnorm), Fused(silu_mul), Fused(gated_rmsnorm)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos [T] (long) -> cos, sin [T, rotary_dim] in the model dtype."""
-        f = pos.float()[:, None] * self.inv_freq[None]
+        """pos [T] (long), or [3, T] multimodal positions (temporal, height, width: image rows) -> cos, sin
+        [T, rotary_dim] in the model dtype. [3, T] interleaves the sections as transformers' Qwen3.5 does: frequency
+        j takes the height position when j % 3 == 1 and j < 3 * mrope_section[1], the width one likewise (% 3 == 2),
+        else the temporal one; text tokens have all three equal, which is the 1-D rotary."""
+        f = pos.float()[..., None] * self.inv_freq  # [T, R/2] or [3, T, R/2]
+        if pos.dim() == 2:
+            sec, f3 = self.cfg.mrope_section, f
+            f = f3[0].clone()
+            for d in (1, 2):
+                f[:, d : 3 * sec[d] : 3] = f3[d][:, d : 3 * sec[d] : 3]
         f = torch.cat([f, f], -1)
         return f.cos().to(self.dtype), f.sin().to(self.dtype)
 
@@ -151,8 +159,10 @@ class Qwen35:
         o = self.gate_out(o, gate)
         return o @ m.o_w.T if lora is None else lora.project(i, "o", o, m.o_w)
 
-    def body(self, ids: torch.Tensor, pos: torch.Tensor, mix, lora=None) -> torch.Tensor:
-        """ids, pos [T] -> the last layer's hidden states [T, H] (before the final norm).
+    def body(self, ids: torch.Tensor, pos: torch.Tensor, mix, lora=None, *, embeds=None) -> torch.Tensor:
+        """ids [T], pos [T] or [3, T] (see rope) -> the last layer's hidden states [T, H] (before the final norm).
+        embeds: None, or (index [k] long, values [k, H]): those tokens take these input embeddings instead of their
+        ids' (image rows: the vision tower's output at the image-pad tokens).
 
         Each residual add is fused with the norm after it, so x is always the normed input of the next block.
         lora: None (the trunk), or a specialists binding (statecache.specialists.lora): it is attached to the weights
@@ -162,6 +172,8 @@ class Qwen35:
             lora.attach(self.w)
         layers = self.w.layers
         h = self.w.embed.index_select(0, ids).to(self.hdtype)  # [T, H]
+        if embeds is not None:
+            h.index_copy_(0, embeds[0], embeds[1].to(h.dtype))
         rope = self.rope(pos)
         x = self.norm(h, layers[0].in_norm, self.eps).to(self.dtype)
         for i, L in enumerate(layers):

@@ -9,6 +9,11 @@ Two forms:
   to capture is remembered and that row runs packed instead. A row that leaves checkpoints does not take this form:
   its delta rule is split at its own positions, which are not a shape a bucketed graph key can hold; with
   `plant_graphs` (experimental) it runs as pieces of graphs cut at the delta rules (statecache.plant.PlantGraphs).
+A row with images (a fourth item: its statecache.vision.RowImages) always runs packed (never single, never as
+PlantGraphs' pieces): its tokens take their multimodal positions and, at the image tokens, the vision tower's
+embeddings; the other rows in the same forward keep their 1-D positions (expanded to three equal rows). It may
+leave checkpoints like any other (statecache.plant.PlantMixer splits only the delta rule; the attention K/V it
+keeps are rotated with the row's own multimodal positions).
 With specialists every row picks its own route inside the forward (statecache.specialists.lora.RoutedRows: the
 router reads the hidden state entering its layer, which no adapter touches), so one pass gives both the route
 and the answer, and a packed forward may mix routes. Knows nothing of the cache, the memo or Redis.
@@ -69,22 +74,24 @@ class PlainPath:
             out.append(cur)
         return out
 
-    def forward(self, rows: list[tuple[list[int], list[int], list[int]]]) -> list[list[list[float]]]:
-        """rows: (ids, slots, nopts) each -> per row, per slot, the option probabilities."""
+    def forward(self, rows: list[tuple]) -> list[list[list[float]]]:
+        """rows: (ids, slots, nopts) or (ids, slots, nopts, images) each -> per row, per slot, the option
+        probabilities. images: None or the row's statecache.vision.RowImages."""
         return [probs for probs, _ in self.answer(rows)]
 
-    def answer(self, rows: list[tuple[list[int], list[int], list[int]]]) -> list[tuple[list[list[float]], int | None]]:
-        """rows: (ids, slots, nopts) each -> per row (per slot the option probabilities, its specialists route or
-        None without specialists)."""
+    def answer(self, rows: list[tuple]) -> list[tuple[list[list[float]], int | None]]:
+        """rows: as `forward` -> per row (per slot the option probabilities, its specialists route or None without
+        specialists)."""
         return self.run(rows)[0]
 
     @torch.no_grad()
-    def run(self, rows: list[tuple[list[int], list[int], list[int]]], plans: list[list[int] | None] | None = None,
-            between=None) -> tuple[list[tuple[list[list[float]], int | None]], list[Planted | None]]:
-        """rows: (ids, slots, nopts) each; plans: per row its checkpoint positions (ascending, in (0, len(ids)]) or
-        None -> (per row (per slot the option probabilities, its route or None); per row its Planted, None where its
-        plan was). Planting is trunk only: with specialists, plans must all be None. between: called every few
-        layers of a packed forward (chunked prefill: the caller answers short work that arrived meanwhile)."""
+    def run(self, rows: list[tuple], plans: list[list[int] | None] | None = None, between=None
+            ) -> tuple[list[tuple[list[list[float]], int | None]], list[Planted | None]]:
+        """rows: (ids, slots, nopts) or (ids, slots, nopts, images) each; plans: per row its checkpoint positions
+        (ascending, in (0, len(ids)]) or None -> (per row (per slot the option probabilities, its route or None); per
+        row its Planted, None where its plan was). Planting is trunk only: with specialists, plans must all be None.
+        between: called every few layers of a packed forward (chunked prefill: the caller answers short work that
+        arrived meanwhile)."""
         plans = plans if plans is not None else [None] * len(rows)
         if len(plans) != len(rows):
             raise ValueError(f"{len(plans)} plans for {len(rows)} rows")
@@ -93,13 +100,14 @@ class PlainPath:
         results: list = [None] * len(rows)
         planted: list = [None] * len(rows)
         for batch in self.batches([len(r[0]) for r in rows]):
-            if len(batch) == 1 and self.pad and plans[batch[0]] is None:
-                got = self._single(*rows[batch[0]])
+            text = _images(rows[batch[0]]) is None
+            if len(batch) == 1 and self.pad and plans[batch[0]] is None and text:
+                got = self._single(*rows[batch[0]][:3])
                 if got is not None:
                     results[batch[0]] = got
                     continue
-            if len(batch) == 1 and self.planter is not None and plans[batch[0]] is not None:
-                ids, slots, nopts = rows[batch[0]]
+            if len(batch) == 1 and self.planter is not None and plans[batch[0]] is not None and text:
+                ids, slots, nopts = rows[batch[0]][:3]
                 key = self.planter.key(len(ids), len(slots), len(plans[batch[0]]), self.bucket, SLOT_BUCKETS)
                 got = None if key is None else self.planter.run(key, ids, slots, nopts, plans[batch[0]])
                 if got is not None:
@@ -118,6 +126,18 @@ class PlainPath:
         for n in lens:
             starts.append(starts[-1] + n)
         pos = torch.cat([torch.arange(n) for n in lens])
+        embeds = None
+        if any(_images(rows[i]) is not None for i in batch):  # multimodal positions [3, T], image embeddings
+            pos = pos.expand(3, -1).clone()
+            idx, vals = [], []
+            for k, i in enumerate(batch):
+                if (im := _images(rows[i])) is not None:
+                    p3, e = im.chunk(0, lens[k], lens[k])
+                    pos[:, starts[k] : starts[k + 1]] = p3.cpu()
+                    if e is not None:
+                        idx.append(e[0] + starts[k])
+                        vals.append(e[1])
+            embeds = (torch.cat(idx).to(dev), torch.cat(vals)) if idx else None
         slot_idx = torch.tensor([starts[k] + s for k, i in enumerate(batch) for s in rows[i][1]], dtype=torch.long)
         nopts = torch.tensor([o for i in batch for o in rows[i][2]], dtype=torch.long)
         cu = torch.tensor(starts, dtype=torch.int32, device=dev)
@@ -132,12 +152,12 @@ class PlainPath:
         if self.spec is not None:
             seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
             lora = RoutedRows(self.spec.lora, self.spec.router, seq, None, len(lens))
-        h = self.model.body(ids.to(dev), pos.to(dev), mix, lora)  # [T, H]
+        h = self.model.body(ids.to(dev), pos.to(dev), mix, lora, embeds=embeds)  # [T, H]
         probs = self.model.letter_probs(h.index_select(0, slot_idx.to(dev)), nopts.to(dev)).float().cpu()
         routes = lora.routes.tolist() if lora is not None else [None] * len(batch)
         j = 0
         for k_row, i in enumerate(batch):
-            _, slots, no = rows[i]
+            slots, no = rows[i][1], rows[i][2]
             results[i] = ([probs[j + k, : no[k]].tolist() for k in range(len(slots))], routes[k_row])
             j += len(slots)
         if isinstance(mix, PlantMixer):
@@ -198,3 +218,7 @@ class PlainPath:
             out = self._run(inp.to(self.model.device), T, S, route)
         probs = out[: len(slots)].float().cpu()
         return [probs[k, : nopts[k]].tolist() for k in range(len(slots))], (int(route) if self.spec is not None else None)
+
+
+def _images(row: tuple):
+    return row[3] if len(row) > 3 else None

@@ -1,9 +1,10 @@
 """Row contract checks (DESIGN.md section 7): a row from the queue in, a validated row or a clear error out.
 
 Knows the row's shape only: token rows (`ids`, `state_len`, `slots`, `nopts`) and text rows (`state`,
-`questions`). Does not know the model beyond its vocabulary size, nor the tokenizer (text rows are turned
-into token rows by `statecache.text`), nor the queue. No torch: the checks over a row's ids run as C loops (a set
-of the element types, numpy's min and max), ~0.1 ms for 4k ids (bench/host_path.py).
+`questions`), either with optional `images` (checked by statecache.images, which `check_row` hands them to).
+Does not know the model beyond its vocabulary size, nor the tokenizer (text rows are turned into token rows by
+`statecache.text`), nor the queue. No torch: the checks over a row's ids run as C loops (a set of the element
+types, numpy's min and max), ~0.1 ms for 4k ids (bench/host_path.py).
 
 Rows arrive through msgpack, so anything may come: bools where ints belong (bool is an int in Python, so it
 is rejected by type, not by value), floats, strings, nested junk. Every problem becomes a `RowError` with a
@@ -20,6 +21,7 @@ MIN_OPTIONS = 2
 MAX_OPTIONS = 26  # letters A..Z
 TOKEN_FIELDS = ("ids", "state_len", "slots", "nopts")
 TEXT_FIELDS = ("state", "questions")
+OPTIONAL_FIELDS = ("images",)  # either form (statecache.images)
 
 
 class RowError(Exception):
@@ -46,13 +48,13 @@ def _show(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def check_fields(row: Any, fields: tuple[str, ...], form: str) -> None:
+def check_fields(row: Any, fields: tuple[str, ...], form: str, optional: tuple[str, ...] = OPTIONAL_FIELDS) -> None:
     if not isinstance(row, dict):
         raise RowError("bad_row", f"a row must be a map, got {type(row).__name__}")
     missing = [k for k in fields if k not in row]
     if missing:
         raise RowError("bad_row", f"{form} row is missing {', '.join(missing)}")
-    extra = sorted(str(k) for k in row if k not in fields)
+    extra = sorted(str(k) for k in row if k not in fields and k not in optional)
     if extra:
         raise RowError("bad_row", f"{form} row has unknown field(s) {', '.join(extra)}; expected {', '.join(fields)}")
 
@@ -116,14 +118,28 @@ def check_token_row(row: Any, vocab_size: int, max_tokens: int) -> dict:
     return {"ids": ids, "state_len": state_len, "slots": slots, "nopts": nopts}
 
 
-def check_row(row: Any, vocab_size: int, max_tokens: int, tokenizer: Any = None) -> dict:
-    """Either form in, a validated token row out (text rows are tokenised with `tokenizer`)."""
+def check_row(row: Any, vocab_size: int, max_tokens: int, tokenizer: Any = None, images: Any = None) -> dict:
+    """Either form in, a validated token row out (text rows are tokenised with `tokenizer`). A row with `images`
+    needs `images` (the model's statecache.images.ImageSupport) and comes out with `images`: its located ImageRefs."""
     if isinstance(row, dict) and "ids" in row and any(k in row for k in TEXT_FIELDS):
         raise RowError("bad_row", "a row is either a token row (ids, ...) or a text row (state, questions), not both")
+    has_images = isinstance(row, dict) and row.get("images") not in (None, [], ())
+    if has_images and images is None:
+        raise RowError("no_vision", "this row has images but the model has no vision tower (or no image processor)")
     if is_text_row(row):
         if tokenizer is None:
             raise RowError("bad_row", "text rows need a tokenizer; this caller has none")
         from statecache.text import encode_text_row
 
-        row = encode_text_row(row, tokenizer, max_tokens)
-    return check_token_row(row, vocab_size, max_tokens)
+        row = encode_text_row(row, tokenizer, max_tokens, images)
+        refs = row.pop("images", None)
+    else:
+        refs = images.prepare(row["images"]) if has_images else None
+        if isinstance(row, dict) and "images" in row:
+            row = {k: v for k, v in row.items() if k != "images"}
+    out = check_token_row(row, vocab_size, max_tokens)
+    if refs:
+        from statecache.images import locate
+
+        out["images"] = locate(out["ids"], refs, images.image_token_id)
+    return out
