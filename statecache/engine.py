@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import string
 import time
 from collections import OrderedDict
@@ -26,16 +25,12 @@ from .loader import load_weights
 from .memo import Memo, row_key
 from .model import Qwen35
 from .plain import PlainPath
+from .policy import load_policy
 from .rows import RowError, check_row, error_result
 from .runner import ChunkRunner
 
 log = logging.getLogger("statecache.engine")
 LETTERS = list(string.ascii_uppercase)
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    v = os.environ.get(name)
-    return default if v in (None, "") else int(v)
 
 
 def default_device() -> str:
@@ -52,11 +47,16 @@ class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
-                 compile: bool | None = None, precapture: bool = False):
+                 compile: bool | None = None, precapture: bool = False, cold_ok=None, cache_fraction: float = 0.9,
+                 specialists: str | None = None, backlog_rows: int = 8, home: str | None = None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
-            model_dir = tiny_model_dir()
+            model_dir = tiny_model_dir(home)
+        self.cold_ok = cold_ok if cold_ok is not None else load_policy(None)  # statecache.policy: the one decision
+        self.cache_fraction = cache_fraction  # share of free device memory for the cache when cache_mb is None
+        self.specialists = specialists
+        self.backlog_rows = backlog_rows
         self.model_dir = str(model_dir)
         self.device = torch.device(device or default_device())
         if dtype is None:
@@ -75,7 +75,7 @@ class Engine:
         self.load_s = time.perf_counter() - t0
         self.model = Qwen35(weights)
         if compile is None:  # fused elementwise kernels on the GPU (measured on an H200, 9B shape: bench/README.md)
-            compile = self.device.type == "cuda" and os.environ.get("STATECACHE_COMPILE", "1") != "0"
+            compile = self.device.type == "cuda"
         if compile:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
@@ -92,16 +92,24 @@ class Engine:
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
 
     @classmethod
-    def from_env(cls, **kw) -> "Engine":
-        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7); also
-        STATECACHE_PRECAPTURE=1 (capture every chunk graph at start-up) and STATECACHE_COMPILE=0 (no torch.compile)."""
-        return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
-                   os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None),
-                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "0") == "1", **kw)
+    def from_settings(cls, settings=None, **kw) -> "Engine":
+        """The engine a `statecache.settings.Settings` describes (default: `Settings.from_env()`); `kw` overrides."""
+        from .settings import Settings
+
+        s = settings if settings is not None else Settings.from_env()
+        args = dict(settings=s.cache_settings(), compile=s.compile, precapture=s.precapture, cold_ok=load_policy(s.cold_ok),
+                    cache_fraction=s.cache_fraction, specialists=s.specialists, backlog_rows=s.backlog_rows, home=s.home)
+        if s.max_row_tokens is not None:
+            args["max_row_tokens"] = s.max_row_tokens
+        return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
-    def answer(self, rows: list, backed_up: bool = False) -> list[dict]:
+    def answer(self, rows: list, waiting_rows: int = 0, backed_up: bool | None = None) -> list[dict]:
+        """`waiting_rows`: rows the caller holds beyond this batch (its backlog). `backed_up` is the older form of
+        the same news (derived from `waiting_rows` and `backlog_rows` when not given)."""
+        if backed_up is None:
+            backed_up = waiting_rows > self.backlog_rows
         results: list[dict | None] = [None] * len(rows)
         self.counts["batches"] += 1
         todo = []  # (index, row, memo key)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .protocol import error_result  # noqa: F401 - the result a bad row gets (re-exported for the engine)
+
 MIN_OPTIONS = 2
 MAX_OPTIONS = 26  # letters A..Z
 TOKEN_FIELDS = ("ids", "state_len", "slots", "nopts")
@@ -26,11 +28,6 @@ class RowError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
-
-
-def error_result(code: str, message: str) -> dict:
-    """The result a bad row gets instead of an answer."""
-    return {"error": {"code": str(code), "message": str(message)}}
 
 
 def is_text_row(row: Any) -> bool:

@@ -81,7 +81,9 @@ assistant answers.
 
 def statecache_home() -> Path:
     """``$STATECACHE_HOME``, else ``~/.cache/statecache``."""
-    return Path(os.environ.get("STATECACHE_HOME") or Path.home() / ".cache" / "statecache")
+    from .settings import env_home
+
+    return Path(env_home() or Path.home() / ".cache" / "statecache")
 
 
 def build_tokenizer():
@@ -109,9 +111,10 @@ def _build(out_dir: Path) -> None:
                     eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), **SHAPE)
 
 
-def tiny_model_dir() -> Path:
-    """The tiny model's folder, made on first use (atomically; safe when processes race)."""
-    home = statecache_home()
+def tiny_model_dir(home: str | Path | None = None) -> Path:
+    """The tiny model's folder under `home` (default: `statecache_home()`), made on first use (atomically; safe
+    when processes race)."""
+    home = Path(home) if home else statecache_home()
     final = home / NAME
     if (final / "config.json").is_file():
         return final
