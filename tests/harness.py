@@ -50,6 +50,11 @@ class InProcessWorker:
         wait_for(lambda: self.error or (self.worker and "gpu" in self.worker.ctx), 60, "the worker to start")
         if self.error:
             raise self.error
+        r = redis_sync.Redis.from_url(self.settings.redis_url)
+        try:  # ready as operators see it: the health key is up
+            wait_for(lambda: self.error or r.exists(health_key(self.settings.queue)), 30, "the health key")
+        finally:
+            r.close()
         return self
 
     def _main(self) -> None:

@@ -121,11 +121,18 @@ def _takes_an_argument(fn: Any) -> bool:
 
 def engine_factory(settings: Settings, make_engine: Any = None):
     """A callable of no arguments that builds the engine: `make_engine`, else the `engine` setting's callable
-    (given the Settings when it takes an argument)."""
-    if make_engine is not None:
-        return make_engine
-    make = import_callable(settings.engine)
-    return (lambda: make(settings)) if _takes_an_argument(make) else make
+    (given the Settings when it takes an argument); the `max_row_tokens` setting applies to either."""
+    if make_engine is None:
+        make = import_callable(settings.engine)
+        make_engine = (lambda: make(settings)) if _takes_an_argument(make) else make
+
+    def build():
+        engine = make_engine()
+        if settings.max_row_tokens is not None:  # an engine from elsewhere (a test, a bench) honours it too
+            engine.max_row_tokens = settings.max_row_tokens
+        return engine
+
+    return build
 
 
 def _ensure_logging() -> None:

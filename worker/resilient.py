@@ -84,6 +84,9 @@ class ResilientRedis(ArqRedis):
             self.back()
             return result
 
+    async def close(self, close_connection_pool: bool | None = None) -> None:  # arq calls the deprecated name
+        await self.aclose(close_connection_pool)
+
     def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> "ResilientPipeline":
         return ResilientPipeline(self, self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
