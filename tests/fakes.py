@@ -81,13 +81,14 @@ def stuck_engine(settings=None) -> GatedEngine:
 
 
 def slow_start_engine(settings=None):
-    """The real engine, its construction 2 s longer (as a precapture would be), the time it was built written
-    to $STATECACHE_HOME/built_at (STATECACHE_ENGINE=tests.fakes:slow_start_engine)."""
+    """The real engine, its construction 2 s longer (as a precapture would be); the time it was done is written
+    to the file $TEST_BUILT_AT (STATECACHE_ENGINE=tests.fakes:slow_start_engine)."""
+    import os
     from pathlib import Path
 
     from statecache.engine import Engine
 
     engine = Engine.from_settings(settings)
     time.sleep(2.0)
-    Path(settings.home, "built_at").write_text(repr(time.time()))
+    Path(os.environ["TEST_BUILT_AT"]).write_text(repr(time.time()))
     return engine
