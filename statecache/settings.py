@@ -55,10 +55,10 @@ class Settings:
     cache_min_prefix: int = _f(256, "STATECACHE_CACHE_MIN_PREFIX", "shorter states take the plain path")
     cache_max_slots: int = _f(4, "STATECACHE_CACHE_MAX_SLOTS", "answer slots a cached row may have")
     # --- the worker
-    backlog_rows: int = _f(8, "STATECACHE_BACKLOG_ROWS", "more rows waiting than this = backed up (read by the cold_ok policy)")
+    backlog_rows: int = _f(8, "STATECACHE_BACKLOG_ROWS", "rows waiting beyond a batch above which the queue counts as backed up (the engine's view of load)")
     max_jobs: int = _f(32, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
     poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "arq polls the queue this often")
-    job_timeout_s: float = _f(120.0, "STATECACHE_JOB_TIMEOUT_S", "a row's limit once it reaches the model (waiting is not counted)")
+    job_timeout_s: float = _f(120.0, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")
     drain_s: float = _f(30.0, "STATECACHE_DRAIN_S", "on SIGTERM: finish rows in flight for up to this long, then exit")
     health_interval_s: float = _f(5.0, "STATECACHE_HEALTH_INTERVAL_S", "the health key is refreshed this often")
     metrics_port: int = _f(9400, "STATECACHE_METRICS_PORT", "Prometheus metrics on this port (0: off)")
@@ -126,6 +126,21 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
 def table() -> list[tuple[str, str, Any, str]]:
     """(variable, field, default, what it does) for every setting, as the README lists them."""
     return [(f.metadata["env"], f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(Settings)]
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if value == "":
+        return "empty"
+    return f"`{value}`"
+
+
+def markdown_table() -> str:
+    """The README's settings table (tests/test_rules.py checks the README carries exactly this)."""
+    lines = ["| variable | setting | default | what it does |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{env}` | `{name}` | {_show(default)} | {doc} |" for env, name, default, doc in table()]
+    return "\n".join(lines)
 
 
 def env_home() -> str | None:
