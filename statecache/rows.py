@@ -1,4 +1,5 @@
-"""Row contract checks (DESIGN.md section 7): a row from the queue in, a validated row or a clear error out.
+"""Row contract checks (the schema is in statecache.protocol): a row from the queue in, a validated row or a
+clear error out.
 
 Knows the row's shape only: token rows (`ids`, `state_len`, `slots`, `nopts`) and text rows (`state`,
 `questions`). Does not know the model beyond its vocabulary size, nor the tokenizer (text rows are turned
