@@ -86,6 +86,10 @@ class InProcessWorker:
         if worker is not None and not worker.loop.is_closed():
             worker.loop.call_soon_threadsafe(worker.handle_sig, signal.SIGUSR1)
         self._thread.join(30)
+        if self._thread.is_alive():
+            import faulthandler
+
+            faulthandler.dump_traceback(all_threads=True)
         assert not self._thread.is_alive(), "the in-process worker did not stop"
 
 

@@ -113,7 +113,7 @@ def test_followers_of_a_new_state_are_hits(live):
             return await held_batch(client, live, rows)
 
     results = run(main())
-    assert live.engine.calls == [(3, 0)]  # one batch, nothing waiting behind it
+    assert [n for n, _ in live.engine.calls] == [3]  # one batch
     # the jobs reach the worker in whatever order their enqueues finished: one of them plants the state
     cold = [r for r in results if r["path"] == "cold"]
     hits = [r for r in results if r["path"] == "hit"]
