@@ -86,11 +86,20 @@ class InProcessWorker:
         if worker is not None and not worker.loop.is_closed():
             worker.loop.call_soon_threadsafe(worker.handle_sig, signal.SIGUSR1)
         self._thread.join(30)
-        if self._thread.is_alive():
-            import faulthandler
+        assert not self._thread.is_alive(), "the in-process worker did not stop:\n" + self._stacks()
 
-            faulthandler.dump_traceback(all_threads=True)
-        assert not self._thread.is_alive(), "the in-process worker did not stop"
+    def _stacks(self) -> str:
+        import traceback
+
+        frame = sys._current_frames().get(self._thread.ident)
+        out = ["worker thread:", "".join(traceback.format_stack(frame)) if frame else "?"]
+        try:
+            for task in asyncio.all_tasks(self.worker.loop):
+                out.append(f"task {task.get_name()}: " + "".join(traceback.format_stack(task.get_stack()[-1]))
+                           if task.get_stack() else f"task {task!r}")
+        except Exception as e:  # noqa: BLE001
+            out.append(f"(tasks: {e})")
+        return "\n".join(out)
 
 
 class WorkerProcess:
