@@ -116,3 +116,9 @@ def test_the_demo_subcommand_lives_outside_the_library(capsys):
     with pytest.raises(SystemExit) as e:
         console.main(["score", "--help"])
     assert e.value.code == 0 and "--no-precapture" in capsys.readouterr().out
+
+
+def test_agent_side_and_worker_settings_load_without_torch():
+    """An agent service importing `producer` (or arq's CLI loading the worker's settings) does not load torch."""
+    code = "import sys, producer, producer.cli, worker.settings\nassert 'torch' not in sys.modules\n"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
