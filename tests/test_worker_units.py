@@ -36,6 +36,15 @@ def engine():
     return Engine()
 
 
+async def entered(gated: GatedEngine, n: int = 1) -> None:
+    """Wait until the thread has taken `n` batches into the (gated) engine."""
+    for _ in range(1000):
+        if gated.entered >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the GPU thread never reached the engine")
+
+
 def started(engine, **kw) -> GpuThread:
     gpu = GpuThread(lambda: engine, **kw)
     gpu.start()
@@ -49,7 +58,7 @@ def test_rows_wait_on_one_thread_and_come_back_in_order(engine):
 
     async def main():
         first = asyncio.ensure_future(gpu.answer(row(101)))
-        await asyncio.sleep(0.05)  # the first row is in the engine, held at the gate
+        await entered(gated)  # the first row is in the engine, held at the gate
         rest = [asyncio.ensure_future(gpu.answer(row(s, q))) for s in (102, 103) for q in range(3)]
         await asyncio.sleep(0.05)  # the thread is held on the first row; the rest queue up
         gated.gate.set()
@@ -73,7 +82,7 @@ def test_waiting_rows_reach_the_engine(engine):
 
     async def main():
         tasks = [asyncio.ensure_future(gpu.answer(row(200)))]
-        await asyncio.sleep(0.05)  # the first row's batch is blocked in the engine
+        await entered(gated)  # the first row's batch is blocked in the engine
         tasks += [asyncio.ensure_future(gpu.answer(row(s))) for s in range(201, 205)]
         await asyncio.sleep(0.05)
         gated.gate.set()
@@ -118,7 +127,7 @@ def test_call_runs_on_the_thread_and_cancelled_rows_are_skipped(engine):
 
     async def main():
         blocker = asyncio.ensure_future(gpu.answer(row(401)))
-        await asyncio.sleep(0.05)
+        await entered(gated)
         doomed = asyncio.ensure_future(gpu.answer(row(402)))
         await asyncio.sleep(0.01)
         doomed.cancel()
@@ -147,7 +156,7 @@ def test_stop_cancels_rows_still_waiting(engine):
 
     async def main():
         first = asyncio.ensure_future(gpu.answer(row(501)))
-        await asyncio.sleep(0.05)
+        await entered(gated)
         second = asyncio.ensure_future(gpu.answer(row(502)))
         await asyncio.sleep(0.01)
         stopper = asyncio.ensure_future(asyncio.to_thread(gpu.stop, 5))
@@ -174,7 +183,7 @@ def test_a_row_that_does_not_reach_the_model_goes_back_to_the_queue(engine):
 
     async def main():
         blocker = asyncio.ensure_future(gpu.answer(row(61)))
-        await asyncio.sleep(0.05)
+        await entered(gated)
         with pytest.raises(Retry):
             await answer(ctx, row(62))
         assert gpu.pending() == 0  # withdrawn
