@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     "load_average_at_start": load_at_start},
         "model": os.environ.get("STATECACHE_MODEL") or "built-in tiny model",
         "device": str(engine.device),
-        "worker_settings": {k: getattr(Settings.from_env(), k) for k in ("poll_delay_s", "max_jobs", "backlog_rows")},
+        "worker_settings": {k: getattr(Settings.from_env(), k) for k in ("poll_delay_s", "max_jobs", "batch")},
         "rows": {"states": args.states, "questions": args.questions, "sequential": len(seq), "burst": len(burst)},
         "sequential_ms": {
             "direct": summary(d_ms),

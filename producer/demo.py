@@ -1,6 +1,6 @@
 """The statecache demo: simulated agents ask questions through Redis; answers, latencies and cache hits scroll by.
 
-    python -m producer.demo [--seconds 40] [--agents 4] [--worker auto|start|external]
+    python -m producer.demo [--seconds 40] [--agents 4] [--worker auto|start|external] [--screenshots]
 
 Each agent has a goal, a list of steps taken and a current page; its state is `goal | steps | page`. Between
 questions its state repeats (another question about the same page), grows (more of the page appears at its
@@ -12,7 +12,9 @@ its Prometheus metrics (`--metrics-url`; the worker started here serves them on 
 What it starts, it stops: Redis at `REDIS_URL` when that answers, else a private `redis-server`; the worker
 already serving the queue when its health key is there (`--worker auto`), else one started here on the
 model of `STATECACHE_MODEL` (default: the built-in tiny model, whose random weights make the letters
-meaningless; the paths and latencies are real).
+meaningless; the paths and latencies are real). `--screenshots`: each state also shows a generated screenshot of
+the page (a PNG drawn with PIL, referenced by the `<|image|>` placeholder); a worker started here then runs the tiny
+model with a vision tower (`python -m statecache.tiny --vision`) unless `STATECACHE_MODEL` names another.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from pathlib import Path
 
 import redis as redis_sync
 
-from producer.client import AnswerTimeout, Client, RowRejected, WorkerError
+from producer.client import AnswerTimeout, Client, RowRejected, WorkerError, text_row
 from producer.local_redis import LocalRedis, answers, free_port
+from statecache.images import PLACEHOLDER
 from statecache.protocol import health_key
 from statecache.settings import Settings, child_env, is_set
 
@@ -89,6 +92,25 @@ class Agent:
             "\n" + e for e in self.extra
         )
 
+    def screenshot(self) -> bytes:
+        """A PNG of the current page: its name, its text in lines, a block per extra line, and the step count."""
+        import io
+
+        from PIL import Image, ImageDraw
+
+        im = Image.new("RGB", (320, 200), (245, 246, 248))
+        d = ImageDraw.Draw(im)
+        d.rectangle([0, 0, 320, 24], fill=(32, 56, 100))
+        d.text((8, 6), f"{self.page} - step {len(self.steps)}", fill=(255, 255, 255))
+        words = PAGES[self.page].split()
+        for i in range(0, min(len(words), 48), 8):
+            d.text((8, 32 + 2 * i), " ".join(words[i : i + 8]), fill=(30, 30, 30))
+        for j, _ in enumerate(self.extra):
+            d.rectangle([8 + 100 * j, 170, 100 + 100 * j, 192], fill=(60 + 60 * j, 120, 200))
+        buf = io.BytesIO()
+        im.save(buf, "PNG")
+        return buf.getvalue()
+
     def move(self) -> str:
         """Change the state for the next question: 'again', 'grows' or 'changes'."""
         r = self.rng.random()
@@ -133,16 +155,20 @@ def show(agent: Agent, how: str, question: tuple, result: dict, ms: float) -> st
     return (
         f"  {agent.name:<5} {how:<8} {question[0][:44]:<44} -> {LETTERS[best]} {probs[best]:.2f}  "
         f"{result['path']:<7} reused {result['reused']:>5} computed {result['computed']:>5}  {ms:7.1f} ms"
+        + (f"  route {result['route']}" if "route" in result else "")  # a worker serving specialists
     )
 
 
-async def run_agent(client: Client, agent: Agent, until: float, tally: Tally, quiet: bool) -> None:
+async def run_agent(client: Client, agent: Agent, until: float, tally: Tally, quiet: bool, shots: bool = False) -> None:
     how = "new"
     while time.monotonic() < until:
         question = agent.rng.choice(QUESTIONS)
         t0 = time.perf_counter()
         try:
-            result = await client.answer_text(agent.state(), [question], timeout_s=max(5.0, until - time.monotonic() + 60))
+            row = text_row(agent.state() + (f"\nScreenshot: {PLACEHOLDER}" if shots else ""), [question])
+            if shots:
+                row["images"] = [agent.screenshot()]
+            result = await client.answer(row, timeout_s=max(5.0, until - time.monotonic() + 60))
         except (RowRejected, AnswerTimeout, WorkerError) as e:
             tally.errors += 1
             print(f"  {agent.name:<5} error: {e}", flush=True)
@@ -193,12 +219,12 @@ def metrics_line(url: str | None) -> str:
 
 
 async def demo(redis_url: str, queue: str, agents: int, seconds: float, every_s: float, quiet: bool, seed: int,
-               metrics_url: str | None = None) -> int:
+               metrics_url: str | None = None, shots: bool = False) -> int:
     async with await Client.connect(redis_url, queue) as client:
         tally = Tally()
         until = time.monotonic() + seconds
         crowd = [Agent(name, random.Random(seed + i)) for i, name in enumerate(["ann", "bob", "cy", "dee", "eve", "fay", "gus", "hal"][:agents] + [f"a{i}" for i in range(8, agents)])]
-        tasks = [asyncio.create_task(run_agent(client, a, until, tally, quiet)) for a in crowd]
+        tasks = [asyncio.create_task(run_agent(client, a, until, tally, quiet, shots)) for a in crowd]
         while not all(t.done() for t in tasks):
             await asyncio.wait(tasks, timeout=every_s)
             print("--", tally.line(), flush=True)
@@ -218,12 +244,16 @@ def worker_alive(redis_url: str, queue: str) -> bool:
 
 
 @contextlib.contextmanager
-def started_worker(redis_url: str, queue: str, ready_timeout_s: float, drain_s: float = 30.0):
-    """`arq worker.WorkerSettings` on `queue`, ready (health key up); yields (process, metrics URL)."""
+def started_worker(redis_url: str, queue: str, ready_timeout_s: float, drain_s: float = 30.0, shots: bool = False):
+    """`arq worker.WorkerSettings` on `queue`, ready (health key up); yields (process, metrics URL). `shots`: on
+    the tiny model with a vision tower unless STATECACHE_MODEL names a model."""
     log = tempfile.NamedTemporaryFile(prefix="statecache-worker-", suffix=".log", delete=False)
     port = free_port()
     env = child_env(REDIS_URL=redis_url, STATECACHE_QUEUE=queue, STATECACHE_HEALTH_INTERVAL_S=1,
                     STATECACHE_METRICS_PORT=port, STATECACHE_DRAIN_S=drain_s)
+    if shots and not env.get("STATECACHE_MODEL"):  # the tiny model with a vision tower
+        env["STATECACHE_MODEL"] = subprocess.run([sys.executable, "-m", "statecache.tiny", "--vision"], cwd=ROOT,
+                                                 env=env, check=True, capture_output=True, text=True).stdout.strip()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     model = env.get("STATECACHE_MODEL") or "the built-in tiny model"
     print(f"starting the worker on {model} (log: {log.name}) ...", flush=True)
@@ -264,6 +294,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for a worker to come up")
     p.add_argument("--quiet", action="store_true", help="summary lines only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--screenshots", action="store_true", help="rows carry a generated screenshot of the page")
     return p.parse_args(argv)
 
 
@@ -284,9 +315,11 @@ def main(argv: list[str] | None = None) -> int:
             port = Settings.from_env(warn_unknown=False).metrics_port
             metrics_url = metrics_url or (f"http://localhost:{port}/metrics" if port else None)
         else:
-            _, started_url = stack.enter_context(started_worker(url, args.queue, args.ready_timeout_s))
+            _, started_url = stack.enter_context(started_worker(url, args.queue, args.ready_timeout_s,
+                                                                shots=args.screenshots))
             metrics_url = metrics_url or started_url
-        return asyncio.run(demo(url, args.queue, args.agents, args.seconds, args.every_s, args.quiet, args.seed, metrics_url))
+        return asyncio.run(demo(url, args.queue, args.agents, args.seconds, args.every_s, args.quiet, args.seed,
+                                metrics_url, args.screenshots))
 
 
 if __name__ == "__main__":

@@ -6,14 +6,26 @@ the rest of the state as chunks ending at the planned checkpoint positions (ever
 p - `tail`, p), snapshotting after each, then the question [p, n) as the last chunk, which gives the answer.
 The checkpoints one row plants form a group sharing that row's attention K/V of [0, p), stored once.
 An LRU bounded in bytes (states, conv tails and each group's K/V once) is enforced after every row.
+With specialists (the runner's `spec`), a checkpoint also holds the router's feature sum over its tokens and is
+planted under the route its adapter layers ran with; `row` guesses a route and reruns a misprediction.
 
-`row` returns None when the row must take the plain path instead: it is not eligible, a chunk shape cannot be
-captured, or it has nothing to reuse and `cold_ok()` says no (someone is waiting). This module knows nothing of
-Redis, text, the memo or batching: statecache.engine decides which rows come here.
+Image rows (statecache.vision.RowImages) are known to the index by their key tokens: each image-pad token replaced
+by a key derived from its image's sha256, so the same screenshot with a new question is a hit and a different one
+at the same place never matches. A checkpoint after an image needs no stored rotary offset: the offset at a
+position is a function of the tokens before it (the images' grids), which the lookup proved equal, so the row's
+own positions (RowImages) continue it; chunks holding image tokens run eagerly with the image embeddings.
+
+`row` returns None when the row must take the plain path instead: it is not eligible or a chunk shape cannot be
+captured. A new state can also be planted from outside: `plan` gives its checkpoint positions, a packed forward
+(statecache.plain with statecache.plant) computes them, and `plant_planted` stores them as one group, in the payload
+format `row` plants (so later rows hit them through `row`; an image row's group under its key tokens). Whether a new
+state is planted at all is not decided here (statecache.policy; statecache.engine asks it). This module knows
+nothing of Redis, text, the memo or batching: statecache.engine decides which rows come here.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +33,8 @@ import torch
 
 from .index import Checkpoint, CheckpointIndex, plan_chunks
 from .runner import ChunkRunner
+
+log = logging.getLogger("statecache.cache")
 
 
 @dataclass
@@ -38,7 +52,8 @@ class Answer:
     probs: list[list[float]]
     path: str  # hit | partial | cold
     reused: int  # tokens restored from a checkpoint
-    computed: int  # tokens run
+    computed: int  # tokens run (both runs of a misprediction)
+    route: int | None = None  # the specialists route the answer was computed with (None: no specialists)
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -52,39 +67,103 @@ class StateCache:
         if self.s.max_slots > runner.max_slots:
             raise ValueError(f"max_slots {self.s.max_slots} > the runner's {runner.max_slots}")
         self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align)
-        self.cold_ok: Callable[[], bool] | None = None  # may a row with nothing to reuse take this path now?
+        self.last_route = 0  # specialists: the route guessed for a row with no checkpoint
+        self.batch = None  # a statecache.batch.BatchRunner: enables rows_batched (trunk, text rows)
+        self.between: Callable[[], None] | None = None  # called between a row's state chunks (must not call row)
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
-        self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "declined": 0, "tokens_reused": 0,
-                      "tokens_computed": 0, "ckpts_made": 0, "evicted": 0}
+        self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "tokens_reused": 0,
+                      "tokens_computed": 0, "ckpts_made": 0, "evicted": 0, "mispredict": 0}
 
     # ---- what may come here ---------------------------------------------------------------------------------------
 
     def _down(self, x: int) -> int:
         return x - x % self.s.align
 
-    def eligible(self, ids, state_len: int, slots, n_images: int = 0) -> bool:
-        """Section 3's eligibility: a long enough state, 1..max_slots slots at or after p, a question that fits."""
+    def eligible(self, ids, state_len: int, slots) -> bool:
+        """Section 3's eligibility: a long enough state, 1..max_slots slots at or after p, a question that fits
+        (rows with images too: see the module docstring)."""
         p, n = self._down(state_len), len(ids)
-        if self.s.mb <= 0 or n_images or p < self.s.min_prefix or not 0 < len(slots) <= self.s.max_slots:
+        if self.s.mb <= 0 or p < self.s.min_prefix or not 0 < len(slots) <= self.s.max_slots:
             return False
         return min(slots) >= p and self.runner.shape(p, n) is not None
+
+    def plan(self, state_len: int, start: int = 0) -> list[int]:
+        """The checkpoint positions a state of state_len tokens plants, continuing from `start` (0: nothing
+        restored): the chunk ends of statecache.index.plan_chunks, as `row` runs them."""
+        return plan_chunks(start, state_len, stride=self.s.stride, tail=self.s.tail, align=self.s.align,
+                           max_chunk=self.runner.max_chunk)
+
+    def state_bytes(self, state_len: int) -> int:
+        """Bytes a new state of state_len tokens takes here once planted: per checkpoint the GDN states and conv
+        tails, and the group's attention K/V of [0, p) once."""
+        st = self.runner.st
+        p = self._down(state_len)
+        per_pos = (st.K[:, :1].numel() * st.K.element_size()) * 2
+        return len(self.plan(state_len)) * _nbytes(st.conv, st.S) + p * per_pos
 
     # ---- a row ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], plant_anyway: bool = False) -> Answer | None:
+    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], images=None) -> Answer | None:
         """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the
-        plain path. plant_anyway: skip `cold_ok` (other waiting rows share this state, so planting it pays)."""
+        plain path. images: the row's statecache.vision.RowImages, or None; the index knows an image row by its
+        key tokens (images.keys), not its ids.
+
+        With specialists the route is known only after the last chunk (the router averages over the whole row), so
+        the row runs with a guessed route (`guess`) from the deepest checkpoint of that route; when the router
+        disagrees (a misprediction) it runs again with the router's route from that route's deepest checkpoint, and
+        only the second run's checkpoints are planted. The layers below `split` do not depend on the route, so the
+        router's decision is the same in both runs."""
         if not self.eligible(ids, state_len, slots):
             return None
         n, p = len(ids), self._down(state_len)
-        best = self.index.lookup(ids, limit=p)
-        c0 = best.pos if best is not None else 0
-        if best is None and not plant_anyway and self.cold_ok is not None and not self.cold_ok():
-            self.stats["declined"] += 1
+        spec = self.runner.spec
+        keys = ids if images is None else images.keys  # what the index knows the state by
+        best = self.index.lookup(keys, limit=p)
+        guess = 0
+        if spec is not None:
+            guess = self.guess(best)
+            if best is not None and best.route != guess:
+                best = self.index.lookup(keys, limit=p, route=guess)
+        first = self._run_row(ids, state_len, p, n, slots, nopts, best, guess, images)
+        if first is None:
             return None
-        ends = plan_chunks(c0, state_len, stride=self.s.stride, tail=self.s.tail, align=self.s.align,
-                           max_chunk=self.runner.max_chunk)
+        probs, snaps, route, c0 = first
+        computed, start, final = n - c0, best, first
+        if spec is not None and route != guess:
+            self.stats["mispredict"] += 1
+            start = self.index.lookup(keys, limit=p, route=route)
+            final = self._run_row(ids, state_len, p, n, slots, nopts, start, route, images)
+            if final is None:
+                return None
+            probs, snaps, _, c0 = final
+            computed += n - c0
+        if spec is not None:
+            self.last_route = route
+        path = "hit" if c0 == p else ("partial" if c0 > 0 else "cold")
+        self.stats["rows"] += 1
+        self.stats["hits" if path == "hit" else path] += 1
+        self.stats["tokens_reused"] += c0
+        self.stats["tokens_computed"] += computed
+        if start is not None:
+            self.index.touch(start)
+        if snaps:
+            self._plant(keys, p, snaps, route)
+        self.stats["evicted"] += len(self.index.evict())
+        return Answer([probs[j, : nopts[j]].tolist() for j in range(len(slots))], path, c0, computed,
+                      route if spec is not None else None)
+
+    def guess(self, best: Checkpoint | None) -> int:
+        """The route a row runs with before its router has spoken: its deepest checkpoint's, else the last row's."""
+        return best.route if best is not None else self.last_route
+
+    def _run_row(self, ids, state_len: int, p: int, n: int, slots, nopts, best: Checkpoint | None, route: int,
+                 images=None):
+        """Restore `best` and run the row (images: its RowImages or None) with `route` -> (probabilities [slots,
+        letters] on the host, snapshots to plant, the router's route (the given one without specialists), restored
+        position); None when a chunk cannot be run (the row then takes the plain path)."""
+        c0 = best.pos if best is not None else 0
+        ends = self.plan(state_len, c0)
         chunks = []  # (start, end, plant a checkpoint at end)
         s = c0
         for e in ends:
@@ -96,24 +175,26 @@ class StateCache:
         if not self.runner.ensure([(a, b) for a, b, _ in chunks] + [(p, n)]):  # all captures before the restore
             return None
         self._restore(best)
+        spec, fsum_buf = self.runner.spec, self.runner.fsum
+        fsum = None
+        if spec is not None:  # the router's feature sum over [0, position), carried by checkpoints
+            fsum = best.payload[2].clone() if best is not None else torch.zeros_like(fsum_buf)
         snaps = []
         for a, b, plant in chunks:
-            self.runner.run(ids, a, b)
+            self.runner.run(ids, a, b, route=route, images=images)
+            if fsum is not None:
+                fsum += fsum_buf
             if plant:
-                snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone()))
-        out = self.runner.run(ids, p, n, slots, nopts)
+                snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone(),
+                              fsum.clone() if fsum is not None else None))
+            if self.between is not None:  # chunked prefill: short work that arrived meanwhile runs now
+                self.between()
+        out = self.runner.run(ids, p, n, slots, nopts, route=route, images=images)
+        if fsum is not None:
+            fsum += fsum_buf
+            route = spec.router.pick(fsum, n)
         probs = self.runner.read(out, len(slots))  # waits for the GPU
-        path = "hit" if c0 == p else ("partial" if c0 > 0 else "cold")
-        self.stats["rows"] += 1
-        self.stats["hits" if path == "hit" else path] += 1
-        self.stats["tokens_reused"] += c0
-        self.stats["tokens_computed"] += n - c0
-        if best is not None:
-            self.index.touch(best)
-        if snaps:
-            self._plant(ids, p, snaps)
-        self.stats["evicted"] += len(self.index.evict())
-        return Answer([probs[j, : nopts[j]].tolist() for j in range(len(slots))], path, c0, n - c0)
+        return probs, snaps, route, c0
 
     def _restore(self, c: Checkpoint | None) -> None:
         """Load checkpoint c into the runner's static buffers (None: the empty state). The attention K/V of [0, pos)
@@ -124,7 +205,7 @@ class StateCache:
             st.reset()
             self.runner.kv_owner = None
             return
-        conv, S = c.payload
+        conv, S = c.payload[:2]
         K, V, serial = c.group.payload
         st.conv.copy_(conv)
         st.S.copy_(S)
@@ -134,19 +215,52 @@ class StateCache:
             st.V[:, : c.pos].copy_(V[:, : c.pos])
         self.runner.kv_owner = (serial, c.pos)
 
-    def _plant(self, ids, p: int, snaps) -> None:
-        st = self.runner.st
-        K, V = st.K[:, :p].clone(), st.V[:, :p].clone()
+    def plant_planted(self, ids, n: int, snaps, K: torch.Tensor, V: torch.Tensor) -> None:
+        """Store what a packed forward computed for a new state: snaps (pos, conv, S) at `plan`'s positions (the
+        last is p), K, V [A, p, Hkv, D]; counted as a cold row of n tokens. ids: the row's tokens as the index
+        knows them (an image row: its RowImages.keys). Evicts down to the budget. Trunk only:
+        with specialists new states are planted by `row` (their checkpoints carry a route and a feature sum)."""
+        p = snaps[-1][0]
+        if K.shape[1] != p or V.shape[1] != p:
+            raise ValueError(f"K/V of {K.shape[1]} positions for a state planted up to {p}")
+        self.stats["rows"] += 1
+        self.stats["cold"] += 1
+        self.stats["tokens_computed"] += n
+        self._plant(ids, p, [(pos, conv, S, None) for pos, conv, S in snaps], 0, (K, V))
+        self.stats["evicted"] += len(self.index.evict())
+
+    def _plant(self, ids, p: int, snaps, route: int, kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """A group over ids[:p] (index keys: an image row's RowImages.keys) with its checkpoints (pos, conv, S, feature sum | None), planted under `route`; its
+        K/V from the runner's buffers (which then hold them) or given (`kv`)."""
         self._serial += 1
-        self.runner.kv_owner = (self._serial, p)
+        if kv is None:
+            st = self.runner.st
+            K, V = st.K[:, :p].clone(), st.V[:, :p].clone()
+            self.runner.kv_owner = (self._serial, p)
+        else:
+            K, V = kv
         group = self.index.add_group(ids[:p], (K, V, self._serial), _nbytes(K, V))
-        for pos, conv, S in snaps:
-            self.index.add_checkpoint(group, pos, (conv, S), _nbytes(conv, S))
+        for pos, conv, S, fsum in snaps:
+            parts = (conv, S) if fsum is None else (conv, S, fsum)
+            self.index.add_checkpoint(group, pos, parts, _nbytes(*parts), route=route)
             self.stats["ckpts_made"] += 1
+
+    @torch.no_grad()
+    def rows_batched(self, rows) -> list[Answer | None]:
+        """Rows [(ids, state_len, slots, nopts)] that continue from saved states, their short chunks run together in
+        packed forwards (statecache.batch) -> one Answer per row, or None for a row left to the caller (no checkpoint
+        to continue from, remaining work longer than a batch piece, no batch runner, or it failed). Grown states
+        plant their checkpoints as `row` does; the LRU is touched and enforced once at the end."""
+        if self.batch is None or self.s.mb <= 0:
+            return [None] * len(rows)
+        from .batch import rows_batched
+
+        return rows_batched(self, self.batch, rows, log)
 
     def clear(self) -> None:
         self.index.clear()
 
     def info(self) -> dict:
         return {**self.stats, **self.runner.stats, "checkpoints": len(self.index), "groups": self.index.n_groups,
-                "bytes": self.index.bytes, "mb": self.s.mb}
+                "bytes": self.index.bytes, "mb": self.s.mb,
+                **({"batch": dict(self.batch.stats, failed=self.batch.failures[:3])} if self.batch is not None else {})}

@@ -10,6 +10,10 @@ Two layouts, as published checkpoints come:
   ``model_type`` ``qwen3_5`` with a ``text_config``, weights ``model.language_model.*``, ``model.visual.*`` and
   ``lm_head.weight``. Its word embeddings are tied by the *top-level* ``tie_word_embeddings``; transformers ignores
   the one inside ``text_config`` (the released configs set both).
+
+With ``image_tokens`` (ids of ``<|image_pad|>``, ``<|vision_start|>``, ``<|vision_end|>`` in the tokenizer) a conditional
+checkpoint also gets those ids in its config and an image processor config (``preprocessor_config.json``) as the
+released ones have, sized to its vision tower: image rows can then be answered from it.
 """
 
 from __future__ import annotations
@@ -80,6 +84,15 @@ def _tiny_vision_config(out_hidden_size: int) -> dict:
                 spatial_merge_size=2, num_position_embeddings=16, out_hidden_size=out_hidden_size)
 
 
+def preprocessor_config(vision: dict, max_pixels: int, min_pixels: int) -> dict:
+    """``preprocessor_config.json`` in the released Qwen3.5 form (Qwen2-VL image processor) for a vision tower."""
+    return {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+            "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
+            "merge_size": vision["spatial_merge_size"], "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels},
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_resize": True, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True, "resample": 3}
+
+
 def _perturb(model, scale: float, seed: int) -> None:
     """Add ``scale * randn`` to every parameter (tied ones once), seeded: transformers starts RMSNorm weights at 0,
     the gated norm at 1, ``dt_bias`` at 1; noise on all of them makes a wrong convention show in any comparison."""
@@ -94,7 +107,9 @@ def _perturb(model, scale: float, seed: int) -> None:
 
 
 def make_checkpoint(out_dir, *, layout: str = "causal", seed: int = 0, perturb: float = 0.1,
-                    max_shard_bytes: int | None = None, tokenizer_dir=None, **text_config) -> Path:
+                    max_shard_bytes: int | None = None, tokenizer_dir=None, vision_config: dict | None = None,
+                    image_tokens: dict | None = None, max_pixels: int = 32 * 32, min_pixels: int = 8 * 8,
+                    **text_config) -> Path:
     """Write a random Qwen3.5 checkpoint (float32 safetensors) into ``out_dir`` and return its path.
 
     ``text_config`` are ``Qwen3_5TextConfig`` fields (hidden_size, num_hidden_layers, layer_types, head_dim,
@@ -103,6 +118,9 @@ def make_checkpoint(out_dir, *, layout: str = "causal", seed: int = 0, perturb: 
     "partial_rotary_factor": 0.25}``). Weights are transformers' initialisation under ``seed``, plus noise of scale
     ``perturb`` on every parameter. A ``max_shard_bytes`` below the model's size gives a sharded checkpoint with
     ``model.safetensors.index.json``. ``tokenizer_dir``: its tokenizer files are copied alongside.
+    Conditional layout: ``vision_config`` (``Qwen3_5VisionConfig`` fields; default the smallest tower) and
+    ``image_tokens`` (``image_token_id``, ``vision_start_token_id``, ``vision_end_token_id``); with the latter an image
+    processor config is written too (images resized to ``min_pixels``..``max_pixels``).
     """
     import torch
 
@@ -118,8 +136,9 @@ def make_checkpoint(out_dir, *, layout: str = "causal", seed: int = 0, perturb: 
         if layout == "causal":
             model = hf.Qwen3_5ForCausalLM(text_cfg)
         else:
-            config = Qwen3_5Config(text_config=text_cfg, vision_config=_tiny_vision_config(text_cfg.hidden_size),
-                                   tie_word_embeddings=text_cfg.tie_word_embeddings)
+            vision = dict(vision_config or _tiny_vision_config(text_cfg.hidden_size), out_hidden_size=text_cfg.hidden_size)
+            config = Qwen3_5Config(text_config=text_cfg, vision_config=vision,
+                                   tie_word_embeddings=text_cfg.tie_word_embeddings, **(image_tokens or {}))
             model = hf.Qwen3_5ForConditionalGeneration(config)
     model = model.to(torch.float32)
     _perturb(model, perturb, seed)
@@ -129,6 +148,9 @@ def make_checkpoint(out_dir, *, layout: str = "causal", seed: int = 0, perturb: 
     model.save_pretrained(out, max_shard_size=max_shard_bytes if max_shard_bytes is not None else "50GB")
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out)
+    if layout == "conditional" and image_tokens:
+        full = {**model.config.vision_config.to_dict()}
+        (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(full, max_pixels, min_pixels), indent=2))
     return out
 
 

@@ -1,8 +1,10 @@
 """`statecache` console script.
 
   statecache score [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--cache-mb N] [--no-precapture]
+                  [--specialists DIR]
       rows as JSON lines on stdin -> one JSON result per line on stdout, in order; the state cache is used
-      across rows. A bad line gets {"error": {...}} and the run goes on. Statistics go to stderr at the end.
+      across rows; with specialists each result names its `route`. A bad line gets {"error": {...}} and the run
+      goes on. Statistics go to stderr at the end. Options not given come from the settings (statecache.settings).
 
 `statecache demo` is the demo's (producer.console dispatches it to producer.demo); this module, like the rest
 of the library, does not import the producer.
@@ -20,16 +22,24 @@ def _score(args) -> int:
     from .rows import error_result
     from .settings import Settings
 
-    given = dict(model=args.model, device=args.device, dtype=args.dtype, cache_mb=args.cache_mb)
+    from .specialists import SpecialistsError
+
+    given = dict(model=args.model, device=args.device, dtype=args.dtype, cache_mb=args.cache_mb,
+                 specialists=args.specialists)
     overrides = {k: v for k, v in given.items() if v is not None}
-    if args.no_precapture:
-        overrides["precapture"] = False
-    eng = Engine.from_settings(Settings.from_env(**overrides))
+    if args.precapture is not None:
+        overrides["precapture"] = args.precapture
+    try:
+        eng = Engine.from_settings(Settings.from_env(**overrides))
+    except SpecialistsError as e:
+        print(f"statecache: {e}", file=sys.stderr)
+        return 2
     print(f"statecache: model {eng.model_dir} on {eng.device} ({str(eng.dtype).removeprefix('torch.')}), "
-          f"loaded in {eng.load_s:.1f} s", file=sys.stderr)
-    info = getattr(eng, "precapture_info", None)
-    if info:
-        print(f"statecache: precaptured {info['graphs']} graphs in {info['seconds']} s", file=sys.stderr)
+          f"loaded in {eng.load_s:.1f} s; {eng.budget.describe()}", file=sys.stderr)
+    if eng.precapture_info is not None:
+        info = eng.precapture_info
+        print(f"statecache: precaptured {info['graphs']} graphs in {info['seconds']} s"
+              + (f" (failed: {info['failed']})" if info["failed"] else ""), file=sys.stderr)
     out = sys.stdout
     for n, line in enumerate(sys.stdin, 1):
         if not line.strip():
@@ -56,9 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     sc.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on cuda, float32 on cpu")
     sc.add_argument("--cache-mb", type=int, default=None, help="state cache bound in MiB (0: no cache)")
-    sc.add_argument("--no-precapture", action="store_true", help="do not capture the CUDA graphs before reading rows "
-                    "(default: STATECACHE_PRECAPTURE, on)")
-    sc.add_argument("--precapture", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    sc.add_argument("--precapture", action=argparse.BooleanOptionalAction, default=None,
+                    help="capture every chunk CUDA graph before reading rows (default: STATECACHE_PRECAPTURE, on; lone "
+                         "plain rows' graphs are captured on first use); --no-precapture captures each on first use")
+    sc.add_argument("--specialists", default=None, metavar="DIR",
+                    help="a specialists folder (router.json, router.safetensors, one PEFT LoRA adapter folder per route; "
+                         "default: STATECACHE_SPECIALISTS)")
     sub.add_parser("demo", help="simulated agents through Redis and the worker (the `statecache` script runs it; see README)")
     args = ap.parse_args(argv)
     if args.cmd == "demo":

@@ -38,6 +38,8 @@ class TextConfig:
     partial_rotary_factor: float
     tie_word_embeddings: bool
     weight_prefix: str  # where the text model's weights live in the safetensors files
+    # multimodal rotary (image rows): frequencies of the height / width sections, interleaved as transformers does
+    mrope_section: tuple[int, ...] = (11, 11, 10)
 
     @property
     def num_layers(self) -> int:
@@ -118,6 +120,7 @@ def parse_config(raw: dict) -> TextConfig:
             partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
             tie_word_embeddings=tie,
             weight_prefix=prefix,
+            mrope_section=tuple(int(x) for x in rope.get("mrope_section") or (11, 11, 10)),
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks {e.args[0]!r}") from None

@@ -8,6 +8,8 @@ other program; a barrier orders its own reads of the old tail before the writes.
 
 Shapes: x [L, C] (rows may be strided: a slice of the projection output), w [C, W], tail [W - 1, C] (contiguous),
 real: a long scalar device tensor (graph-safe: read inside the kernel). Returns y [L, C] in x's dtype.
+`conv_batch` runs the same kernel over the packed sequences of a batch (statecache.batch): a grid axis over the
+sequences, each with its own rows (cu_seqlens, on the device) and its own tail.
 This module knows nothing of layers, heads or the delta rule.
 """
 
@@ -21,13 +23,22 @@ MAX_ROWS = 128  # one program holds all rows of its channel block
 
 
 @triton.jit
-def _conv_chunk_kernel(x, sx, w, tail, y, sy, real_ptr, L, C,
-                       W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr):
+def _conv_chunk_kernel(x, sx, w, tail, y, sy, real_ptr, L, C, cu_ptr, s_tail,
+                       W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, VARLEN: tl.constexpr):
     c = tl.program_id(0) * BC + tl.arange(0, BC)  # [BC] channels
     cm = c < C
     t = tl.arange(0, BT)  # [BT] chunk rows
+    if VARLEN:  # sequence b of a packed batch: rows [cu[b], cu[b + 1]), its own tail, no padding rows
+        b = tl.program_id(1)
+        bos = tl.load(cu_ptr + b)
+        L = tl.load(cu_ptr + b + 1) - bos
+        real = L
+        x += bos * sx
+        y += bos * sy
+        tail += b * s_tail
+    else:
+        real = tl.load(real_ptr)
     tm = t < L
-    real = tl.load(real_ptr)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(W):  # tap i reads ext[t + i], ext = [tail (W - 1 rows) | x]
         e = t + i  # [BT]
@@ -61,6 +72,26 @@ def conv_chunk(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor, real: torch
     y = torch.empty(L, C, dtype=x.dtype, device=x.device)
     BT = max(16, triton.next_power_of_2(L))
     grid = (triton.cdiv(C, block_c),)
-    _conv_chunk_kernel[grid](x, x.stride(0), w, tail, y, y.stride(0), real, L, C,
-                             W=W, BT=BT, BC=block_c, BW=max(2, triton.next_power_of_2(W - 1)))
+    _conv_chunk_kernel[grid](x, x.stride(0), w, tail, y, y.stride(0), real, L, C, real, 0,
+                             W=W, BT=BT, BC=block_c, BW=max(2, triton.next_power_of_2(W - 1)), VARLEN=False)
+    return y
+
+
+def conv_batch(x: torch.Tensor, w: torch.Tensor, tails: torch.Tensor, cu: torch.Tensor, lmax: int,
+               block_c: int = 64) -> torch.Tensor:
+    """conv_chunk for B packed sequences: x [T, C] (sequence b: rows [cu[b], cu[b + 1]), at most lmax <= MAX_ROWS of
+    them, all real), tails [B, W - 1, C] (sequence b's saved inputs, updated in place), cu [B + 1] (long, on the
+    device) -> y [T, C]; rows of no sequence (past cu[B]) come out zero."""
+    T, C = x.shape
+    W = w.shape[1]
+    B = tails.shape[0]
+    if lmax > MAX_ROWS:
+        raise ValueError(f"conv_batch takes sequences of at most {MAX_ROWS} rows, got {lmax}")
+    if x.stride(1) != 1 or not tails.is_contiguous() or not w.is_contiguous():
+        raise ValueError("conv_batch needs unit channel stride in x and contiguous w and tails")
+    y = torch.zeros(T, C, dtype=x.dtype, device=x.device)
+    BT = max(16, triton.next_power_of_2(lmax))
+    _conv_chunk_kernel[(triton.cdiv(C, block_c), B)](x, x.stride(0), w, tails, y, y.stride(0), cu, 0, C, cu,
+                                                     tails.stride(0), W=W, BT=BT, BC=block_c,
+                                                     BW=max(2, triton.next_power_of_2(W - 1)), VARLEN=True)
     return y

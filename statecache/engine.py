@@ -1,14 +1,26 @@
 """The engine: a batch of rows in, one result per row out, in order; the one object the worker's GPU thread drives.
 
 For each batch: validate (and tokenise text rows), answer exact repeats from the memo, group the rest by their
-aligned state tokens, run each group through the state cache (its first row plants checkpoints, the rows
-behind it hit them), and pack what the cache declines into plain forwards. `backed_up` (the caller's view of
-the queue) decides whether a row with nothing to reuse may take the cached path: under backlog a singleton new
-state goes plain (throughput first); a state shared by several waiting rows is planted anyway.
-A bad row gets an error result; an exception while computing fails only the rows of that group.
+aligned state tokens, then run them short work first (`_run`): the rows that continue from saved states go
+through one batched forward (statecache.batch; hits, and the first row of each grown state, which plants its
+new end); the rows the cache cannot take and the first row of each new state go through one packed forward
+(statecache.plain), which also leaves the new states' checkpoints and K/V (statecache.plant), planted as one
+group each; the rows behind grown and new states then continue from those checkpoints in a second batched call.
+What a batched call cannot take runs one row at a time through the state cache (restore, chunks). Whether a new
+state is planted is the `cold_ok` policy's decision (statecache.policy), asked once per new state; a declined
+state runs plain and plants nothing. So every forward plants, whatever the backlog; `waiting_rows` (the caller's
+view of the queue) only informs the policy.
+
+A bad row gets an error result; an exception while computing fails only the rows of that group (or of that
+packed forward; a batched call isolates a failing row). With a specialists folder (`specialists=`, checked in
+full before the weights load) every result names its `route`; new states then plant through the cache's own
+chunked path (their checkpoints carry a route and the router's feature sum) and rows continue one at a time.
+Rows with images (checkpoints with a vision tower: statecache.images, statecache.vision): their memo key and their
+group key include each image's content hash, the index knows their states by key tokens
+(statecache.vision.RowImages.keys), a new image state plants from the packed forward like a text one, and their
+continuations run one at a time through the cache (the batched forward has no multimodal positions).
 Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -19,15 +31,19 @@ from collections import OrderedDict
 
 import torch
 
+from .budget import DEFAULT_FRACTION, Budget, cache_budget, device_free_bytes, forward_workspace_bytes
 from .cache import CacheSettings, StateCache
+from .compile_cache import use_persistent_caches
 from .kernels import kernels_for
+from .config import load_config
 from .loader import load_weights
 from .memo import Memo, row_key
 from .model import Qwen35
 from .plain import PlainPath
-from .policy import load_policy
+from .policy import ColdContext, ColdPolicy, PlantWhenItFits, load_policy
 from .rows import RowError, check_row, error_result
 from .runner import ChunkRunner
+from .specialists import load_specialists
 
 log = logging.getLogger("statecache.engine")
 LETTERS = list(string.ascii_uppercase)
@@ -47,18 +63,18 @@ class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
-                 compile: bool | None = None, precapture: bool = False, cold_ok=None, cache_fraction: float = 0.9,
-                 specialists: str | None = None, backlog_rows: int = 8, home: str | None = None):
+                 compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
+                 specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
+                 auto_budget: bool | None = None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
             model_dir = tiny_model_dir(home)
-        self.cold_ok = cold_ok if cold_ok is not None else load_policy(None)  # statecache.policy: the one decision
         self.cache_fraction = cache_fraction  # share of free device memory for the cache when cache_mb is None
-        self.specialists = specialists
-        self.backlog_rows = backlog_rows
         self.model_dir = str(model_dir)
         self.device = torch.device(device or default_device())
+        if self.device.type == "cuda":
+            use_persistent_caches(home)  # before anything compiles or autotunes
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -71,8 +87,12 @@ class Engine:
             raise ValueError(f"the tokenizer in {self.model_dir} lacks single tokens for the letters A-Z")
         self.letter_ids: list[int] = list(ids)
         t0 = time.perf_counter()
+        # specialists (a folder, statecache.specialists.folder): checked in full before the model's weights load
+        self.specialists = None if specialists is None else load_specialists(
+            specialists, load_config(self.model_dir), self.device, self.dtype)
         weights = load_weights(self.model_dir, self.letter_ids, self.device, self.dtype)
         self.load_s = time.perf_counter() - t0
+        self.loaded_at = time.time()  # wall clock: start-up is measured from here (bench/load_bench.py)
         self.model = Qwen35(weights)
         if compile is None:  # fused elementwise kernels on the GPU (measured on an H200, 9B shape: bench/README.md)
             compile = self.device.type == "cuda"
@@ -80,43 +100,113 @@ class Engine:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         self.kernels = kernels_for(self.device, compile)
+        if auto_budget is None:  # sized from the device unless the caller gives a figure (cache_mb, else settings.mb)
+            auto_budget = cache_mb is None and settings is None
         settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb
-        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks)
+        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks,
+                                  specialists=self.specialists)
         self.cache = StateCache(self.runner, settings)
+        self.cache.batch = self._batch_runner(batch, max_pos) if batch > 0 else None
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
-        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool)  # one graph pool
+        if self.precapture_info is not None and self.cache.batch is not None:
+            self.precapture_info["batch"] = self.cache.batch.precapture()
+        if self.precapture_info is not None:
+            info = self.precapture_info
+            log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
+                     f"; failed: {info['failed']}" if info["failed"] else "")
+        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
+                               specialists=self.specialists)
+        # image rows (a checkpoint with a vision tower and an image processor): the tower loads before the cache's
+        # budget is sized from the memory left
+        self.embeddings = None
+        from .images import ImageSupport
+
+        self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
+        if self.images is not None:
+            from .vision import Embeddings, VisionTower
+
+            self.embeddings = Embeddings(self.images, VisionTower.from_checkpoint(self.model_dir, self.device, self.dtype))
+        self.budget = self._size_cache(settings, auto_budget, cache_fraction, max(plain_tokens, max_row_tokens))
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
-        self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0}
+        self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
+        self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
+
+    def _size_cache(self, settings: CacheSettings, auto: bool, fraction: float | None, largest: int) -> Budget:
+        """The cache's bound (statecache.budget): the caller's figure, else on CUDA a fraction of the memory free now
+        (weights, static buffers and captured graphs are in place) less the largest forward's workspace, else the
+        CPU default. Logged in MiB and in 4k-token states."""
+        cfg, nbytes = self.model.cfg, torch.tensor([], dtype=self.dtype).element_size()
+        free = workspace = None
+        if auto and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free = device_free_bytes(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+            workspace = max(forward_workspace_bytes(cfg, largest, nbytes), peak)
+        budget = cache_budget(cfg, nbytes, setting_mb=None if auto else settings.mb, free_bytes=free,
+                              workspace_bytes=workspace or 0, fraction=DEFAULT_FRACTION if fraction is None else fraction,
+                              stride=settings.stride, tail=settings.tail, align=settings.align)
+        self.cache.s.mb = budget.mb
+        self.cache.index.budget_bytes = budget.mb * 2**20
+        mem = ""
+        if self.device.type == "cuda":
+            mem = (f"; torch allocated {torch.cuda.memory_allocated(self.device) / 2**20:.0f} MiB, reserved "
+                   f"{torch.cuda.memory_reserved(self.device) / 2**20:.0f} MiB")
+        log.info("%s%s", budget.describe(), mem)
+        return budget
 
     @classmethod
     def from_settings(cls, settings=None, **kw) -> "Engine":
-        """The engine a `statecache.settings.Settings` describes (default: `Settings.from_env()`); `kw` overrides."""
+        """The engine a `statecache.settings.Settings` describes (default: `Settings.from_env()`); `kw` overrides.
+        The cache's budget: `cache_mb` when set, else sized from the device (`cache_fraction` of its free memory)."""
         from .settings import Settings
 
         s = settings if settings is not None else Settings.from_env()
-        args = dict(settings=s.cache_settings(), compile=s.compile, precapture=s.precapture, cold_ok=load_policy(s.cold_ok),
-                    cache_fraction=s.cache_fraction, specialists=s.specialists, backlog_rows=s.backlog_rows, home=s.home)
+        args = dict(settings=s.cache_settings(), auto_budget=s.cache_mb is None, compile=s.compile, precapture=s.precapture,
+                    cold_ok=load_policy(s.cold_ok), cache_fraction=s.cache_fraction, specialists=s.specialists,
+                    batch=s.batch, home=s.home)
         if s.max_row_tokens is not None:
             args["max_row_tokens"] = s.max_row_tokens
         return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
 
+    def _batch_runner(self, max_batch: int, max_pos: int):
+        """The batched-continuation runner (statecache.batch), or None when it cannot run here: CUDA graphs need its
+        Triton kernels (fla's kernels object); eagerly (CPU) the torch loop serves. Trunk only: with specialists rows
+        continue one at a time (their routes)."""
+        from .batch import BatchRunner
+
+        if self.specialists is not None:
+            return None
+        try:
+            return BatchRunner(self.model, self.kernels, max_slots=self.runner.max_slots, max_batch=max_batch,
+                               max_pos=max_pos, pool=self.runner.pool, graphs=self.runner.use_graphs)
+        except Exception:  # noqa: BLE001 - rows then run one at a time
+            log.exception("no batched continuations")
+            return None
+
     # ---- a batch --------------------------------------------------------------------------------------------------
 
-    def answer(self, rows: list, waiting_rows: int = 0, backed_up: bool | None = None) -> list[dict]:
-        """`waiting_rows`: rows the caller holds beyond this batch (its backlog). `backed_up` is the older form of
-        the same news (derived from `waiting_rows` and `backlog_rows` when not given)."""
-        if backed_up is None:
-            backed_up = waiting_rows > self.backlog_rows
+    def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None, between=None) -> list[dict]:
+        """One result per row, in order. waiting_rows: rows queued behind this batch (for the cold_ok policy).
+        between: called between the chunks of a long cached forward (a new state's), so the caller can answer rows
+        that arrived meanwhile with `answer_ready` (chunked prefill). backed_up: the old signature's flag, accepted
+        from callers not yet updated and ignored."""
+        self.cache.between = between
         results: list[dict | None] = [None] * len(rows)
         self.counts["batches"] += 1
         todo = []  # (index, row, memo key)
+        first: dict = {}  # memo key -> index of its first row in this batch
+        repeats = []  # (index, index of the same row's first occurrence)
         for i, raw in enumerate(rows):
             self.counts["rows"] += 1
             try:
-                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer)
+                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
+                if row.get("images"):
+                    from .vision import RowImages
+
+                    row["mm"] = RowImages(row["ids"], row["images"], self.embeddings, self.device)
             except RowError as e:
                 results[i] = self._error(e.code, e.message)
                 continue
@@ -125,21 +215,143 @@ class Engine:
                 results[i] = self._error("bad_row", f"{type(e).__name__}: {e}")
                 continue
             key = row_key(row["ids"], row["slots"], row["nopts"])
+            if "mm" in row:
+                key = (key, row["mm"].digests)
             if (hit := self._memo(key)) is not None:
                 results[i] = hit
+            elif key in first:  # the same row twice in one batch: computed once
+                repeats.append((i, first[key]))
             else:
+                first[key] = i
                 todo.append((i, row, key))
-        groups, plain = self._groups(todo)
-        for members in groups.values():
-            try:
-                plain += self._cached_group(members, backed_up, results)
-            except Exception as e:  # noqa: BLE001
-                log.exception("cached path failed")
-                for i, _, _ in members:
-                    if results[i] is None:
-                        results[i] = self._error("internal", f"{type(e).__name__}: {e}")
-        self._plain(plain, results)
+        self._run(todo, len(rows), waiting_rows, results)
+        for i, j in repeats:
+            res = results[j]
+            results[i] = dict(res, path="memo", reused=0, computed=0) if "probs" in res else dict(res)
+            if "probs" in res:
+                self.counts["memo"] += 1
         return results  # type: ignore[return-value]
+
+    def _run(self, todo, batch_rows: int, waiting_rows: int, results) -> None:
+        """Compute the distinct rows of a batch, short work first (see the module docstring):
+        1. one batched call (statecache.batch) for every row of a state saved at its end and the first row of each
+           grown state (it plants the state's end);
+        2. one packed forward for the rows the cache cannot take and the first row of each new state the cold_ok
+           policy lets plant (it plants); with a `between` hook (chunked prefill) it calls back every few layers,
+           so rows that arrive meanwhile and continue from saved states are answered there;
+        3. a second batched call for the rows behind grown and new states (now hits);
+        4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
+        groups, plain = self._groups(todo)
+        saved, grown, planting, chunked = [], [], [], []  # groups of rows (i, row, key)
+        for members in groups.values():
+            row = members[0][1]
+            best = self.cache.index.lookup(row["mm"].keys if "mm" in row else row["ids"], limit=self._p(row))
+            if best is not None and "mm" in row:  # image rows continue one at a time (multimodal positions)
+                chunked.append(members)
+            elif best is not None:
+                (saved if best.pos == self._p(row) else grown).append(members)
+            elif self._plant_ok(members, batch_rows, waiting_rows):
+                # with specialists a new state plants through the cache's chunked path (route-aware checkpoints)
+                (chunked if self.specialists is not None else planting).append(members)
+            else:
+                self.counts["declined"] += 1
+                plain += members
+        later: list = []  # rows a batched call left
+        if self.cache.batch is not None:
+            later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results)
+        else:
+            chunked = saved + grown + chunked
+        self._plain(plain, results, [g[0] for g in planting])
+        if self.cache.batch is not None:
+            later += self._batched([m for g in grown + planting if "mm" not in g[0][1] for m in g[1:]], results)
+            chunked += [g[1:] for g in planting if "mm" in g[0][1]]
+        else:
+            chunked += [g[1:] for g in planting]
+        for members in chunked + ([later] if later else []):
+            self._one_by_one(members, results)
+
+    def _one_by_one(self, members, results) -> None:
+        """Rows through the cache one at a time (`_cached_group`); what it declines goes plain; a failure fails only
+        these rows."""
+        try:
+            plain_later = self._cached_group(members, results)
+        except RowError as e:  # an image that decoded when checked but not now
+            plain_later = []
+            for i, _, _ in members:
+                if results[i] is None:
+                    results[i] = self._error(e.code, e.message)
+        except Exception as e:  # noqa: BLE001
+            log.exception("cached path failed")
+            plain_later = []
+            for i, _, _ in members:
+                if results[i] is None:
+                    results[i] = self._error("internal", f"{type(e).__name__}: {e}")
+        self._plain(plain_later, results)
+
+    def _p(self, row) -> int:
+        return row["state_len"] - row["state_len"] % self.cache.s.align
+
+    def _batched(self, items, results) -> list:
+        """Rows (i, row, memo key) that continue from saved states, through one StateCache.rows_batched call (each
+        distinct row once) -> the rows it left (for the cache one at a time)."""
+        todo, uniq = [], {}
+        for i, row, key in items:
+            if results[i] is not None:
+                continue
+            if (hit := self._memo(key)) is not None:
+                results[i] = hit
+            elif key in uniq:
+                uniq[key][1].append(i)
+            else:
+                uniq[key] = (row, [i])
+                todo.append(key)
+        if not todo:
+            return []
+        try:
+            answers = self.cache.rows_batched([(uniq[k][0]["ids"], uniq[k][0]["state_len"], uniq[k][0]["slots"],
+                                                uniq[k][0]["nopts"]) for k in todo])
+        except Exception:  # noqa: BLE001 - the rows go one at a time instead
+            log.exception("batched rows failed")
+            answers = [None] * len(todo)
+        left = []
+        for key, ans in zip(todo, answers):
+            row, where = uniq[key]
+            if ans is None:
+                left += [(i, row, key) for i in where]
+                continue
+            res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+            self.memo.put(key, res)
+            for n, i in enumerate(where):
+                results[i] = res if n == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
+        return left
+
+    def answer_ready(self, rows: list) -> list[dict | None]:
+        """The rows that can be answered without a long forward, now: bad rows (their error), memo answers and rows
+        that continue from saved states (one batched call); None for the others (give them to `answer` later).
+        Safe to call from `answer`'s `between` hook: it never runs a row's own chunked forward."""
+        results: list[dict | None] = [None] * len(rows)
+        items = []
+        for i, raw in enumerate(rows):
+            if isinstance(raw, dict) and raw.get("images"):
+                continue  # image rows: later, through `answer` (the batched forward has no multimodal positions)
+            try:
+                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
+            except RowError as e:
+                results[i] = self._error(e.code, e.message)
+                continue
+            except Exception as e:  # noqa: BLE001
+                results[i] = self._error("bad_row", f"{type(e).__name__}: {e}")
+                continue
+            key = row_key(row["ids"], row["slots"], row["nopts"])
+            if (hit := self._memo(key)) is not None:
+                results[i] = hit
+            elif self.cache.batch is not None and self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
+                items.append((i, row, key))
+        self.counts["rows"] += sum(r is not None for r in results)
+        if items:
+            self._batched(items, results)
+            self.counts["rows"] += sum(results[i] is not None for i, _, _ in items)
+        return results
 
     def _groups(self, todo) -> tuple["OrderedDict[tuple, list]", list]:
         """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
@@ -153,48 +365,92 @@ class Engine:
                 plain.append(item)
                 continue
             p = row["state_len"] - row["state_len"] % align
-            groups.setdefault(tuple(row["ids"][:p]), []).append(item)
+            keys = row["mm"].keys if "mm" in row else row["ids"]
+            groups.setdefault(tuple(keys[:p]), []).append(item)
         return groups, plain
 
-    def _cached_group(self, members, backed_up: bool, results) -> list:
+    def _plant_ok(self, members, batch_rows: int, waiting_rows: int) -> bool:
+        """The cold_ok policy, asked once for a new state (the group's shared state)."""
+        row = members[0][1]
+        idx = self.cache.index
+        ctx = ColdContext(state_tokens=row["state_len"] - row["state_len"] % self.cache.s.align,
+                          state_bytes=self.cache.state_bytes(row["state_len"]), budget_bytes=idx.budget_bytes,
+                          used_bytes=idx.bytes, sharing_rows=len(members), batch_rows=batch_rows,
+                          waiting_rows=max(0, int(waiting_rows or 0)))
+        return bool(self.cold_ok(ctx))
+
+    def _cached_group(self, members, results) -> list:
         """Run a group's rows through the cache; returns those it declines (for the plain path)."""
         declined = []
-        shared = len({key for _, _, key in members}) > 1  # other *different* rows wait on this state
-        self.cache.cold_ok = lambda: not backed_up
         for i, row, key in members:
             if (hit := self._memo(key)) is not None:  # the same row twice in one batch
                 results[i] = hit
                 continue
-            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], plant_anyway=shared)
+            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=row.get("mm"))
             if ans is None:
                 declined.append((i, row, key))
                 continue
             res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+            if ans.route is not None:
+                res["route"] = self.specialists.names[ans.route]
             self.memo.put(key, res)
             results[i] = res
         return declined
 
-    def _plain(self, items, results) -> None:
+    def _plain(self, items, results, planting=()) -> None:
+        """One packed forward (statecache.plain) of `items` (the plain path: nothing planted) and of `planting`
+        (the first rows of new states: their checkpoints are planted, their path is "cold")."""
         unique: OrderedDict = OrderedDict()
+        for i, row, key in planting:
+            unique.setdefault(key, (row, [], True))[1].append(i)
         for i, row, key in items:
-            unique.setdefault(key, (row, []))[1].append(i)
+            unique.setdefault(key, (row, [], False))[1].append(i)
         if not unique:
             return
+        plans = [self.cache.plan(r["state_len"]) if plant else None for r, _, plant in unique.values()]
         try:
-            outs = self.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r, _ in unique.values()])
+            outs, planted = self.plain.run(
+                [(r["ids"], r["slots"], r["nopts"], r.get("mm")) for r, _, _ in unique.values()], plans,
+                between=self.cache.between)
+        except RowError as e:  # an image that decoded when checked but not now: the rows of this forward fail
+            for _, idx, _ in unique.values():
+                for i in idx:
+                    results[i] = self._error(e.code, e.message)
+            return
         except Exception as e:  # noqa: BLE001
             log.exception("plain path failed")
-            for _, idx in unique.values():
+            for _, idx, _ in unique.values():
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        for (key, (row, idx)), probs in zip(unique.items(), outs):
-            res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
+        for (key, (row, idx, plant)), (probs, route), pl in zip(unique.items(), outs, planted):
+            if plant:
+                try:
+                    keys = row["mm"].keys if "mm" in row else row["ids"]
+                    self.cache.plant_planted(keys, len(row["ids"]), pl.snaps(), pl.K, pl.V)
+                except Exception:  # noqa: BLE001 - the answer stands; only the planting is lost
+                    log.exception("planting a packed row's checkpoints failed")
+                res = {"probs": probs, "path": "cold", "reused": 0, "computed": len(row["ids"])}
+            else:
+                res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
+                self.counts["plain"] += 1
+                self.counts["plain_tokens"] += len(row["ids"])
+            if route is not None:
+                res["route"] = self.specialists.names[route]
             self.memo.put(key, res)
-            self.counts["plain"] += 1
-            self.counts["plain_tokens"] += len(row["ids"])
             for k, i in enumerate(idx):
                 results[i] = res if k == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
+
+    def plant_with_graphs(self, on: bool = True) -> bool:
+        """A lone new state's planting forward as pieces of CUDA graphs (statecache.plant.PlantGraphs) instead of
+        eagerly packed: experimental, off by default until bench/gpu_plant.py has checked it on the GPU. Returns
+        whether it is on (never without CUDA graphs)."""
+        from .plant import PlantGraphs
+
+        p = self.plain
+        p.planter = (PlantGraphs(self.model, self.kernels, p.pool, p.max_graph_tokens, p.stats, p.failures)
+                     if on and p.use_graphs else None)
+        return p.planter is not None
 
     def _memo(self, key) -> dict | None:
         hit = self.memo.get(key)
@@ -210,7 +466,21 @@ class Engine:
 
     def stats(self) -> dict:
         c = self.cache.info()
-        return {**{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "hits": c["hits"],
+        spec = {} if self.specialists is None else {"mispredict": c["mispredict"], "specialists": self.specialists.info()}
+        return {**spec, **{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "load_s": round(self.load_s, 3),
+                "loaded_at": self.loaded_at, "precapture": self.precapture_info, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
-                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values()))}
+                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
+                "budget": dataclasses.asdict(self.budget), **self._device_memory(),
+                **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
+
+    def _device_memory(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"device_memory_mb": {"allocated": mib(torch.cuda.memory_allocated(self.device)),
+                                     "reserved": mib(torch.cuda.memory_reserved(self.device)),
+                                     "peak_allocated": mib(torch.cuda.max_memory_allocated(self.device)),
+                                     "free": mib(free), "total": mib(total)}}

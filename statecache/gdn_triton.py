@@ -39,7 +39,10 @@ Design:
 - Inputs may be strided views: the wrapper passes strides, never copies. Nothing is allocated but the output,
   there is no host sync: the call can be captured in a CUDA graph.
 
-What it does not know: several sequences or chunks (one chunk of one sequence per call; chain calls for more),
+`delta_batch` runs the same kernel over the packed sequences of a batch (statecache.batch): a third grid axis over
+the sequences, each with its own tokens (cu_seqlens, on the device) and its own state.
+
+What it does not know: several chunks of one sequence in one launch (chain calls for more),
 initial-state-free starts (pass zeros), backward passes, gates > 0 (exp would overflow, as in the reference).
 Its speed and its precision with tf32 are only known from the GPU check (bench/gpu_check_gdn.py); the CPU tests
 run it in Triton's interpreter in float32.
@@ -63,16 +66,29 @@ def _lower_left(t, b: tl.constexpr):
     return (bi[:, None] == bi[None, :] + 1) & (bi[None, :] % 2 == 0)
 
 
-@triton.jit(do_not_specialize=["L"])
+@triton.jit(do_not_specialize=["L", "piece"])
 def _delta_chunk_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr,
     L,
     sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
     sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d,
-    scale,
+    scale, cu_ptr, ss_b, piece,
     GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
-    BV: tl.constexpr, DOT: tl.constexpr, RAW_QK: tl.constexpr, STORE: tl.constexpr,
+    BV: tl.constexpr, DOT: tl.constexpr, RAW_QK: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
 ):
+    if VARLEN:  # sequence b of a packed batch: its tokens [cu[b] + piece, min(cu[b + 1], ... + BT)), its own state
+        b = tl.program_id(2)
+        bos = tl.load(cu_ptr + b) + piece
+        L = tl.minimum(tl.load(cu_ptr + b + 1) - bos, BT)
+        if L <= 0:  # an empty sequence (a graph's padding) or a piece past this sequence's end: nothing to do
+            return
+        q_ptr += bos * sq_t
+        k_ptr += bos * sk_t
+        v_ptr += bos * sv_t
+        g_ptr += bos * sg_t
+        b_ptr += bos * sb_t
+        o_ptr += bos * so_t
+        s_ptr += b * ss_b
     h = tl.program_id(0)  # value head
     hk = h // GROUP  # its key head
     t = tl.arange(0, BT)  # [T] token rows
@@ -175,9 +191,40 @@ def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     _delta_chunk_kernel[(Hv, Dv // BV)](
         q, k, v, g, beta, S, o, L,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride(), *o.stride(),
-        Dk**-0.5,
+        Dk**-0.5, S, 0, 0,
         GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BV=BV, DOT=dot_precision,
-        RAW_QK=q.is_cuda and q.element_size() == 2, STORE=store_state,
+        RAW_QK=q.is_cuda and q.element_size() == 2, STORE=store_state, VARLEN=False,
         num_warps=num_warps,
     )
+    return o
+
+
+def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                S: torch.Tensor, cu: torch.Tensor, lmax: int, *, block_v: int = 32, block_k: int = 64,
+                num_warps: int = 4, dot_precision: str = "tf32") -> torch.Tensor:
+    """delta_chunk for B packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequence b: tokens
+    [cu[b], cu[b + 1]), at most lmax of them, all real), S [B, Hv, Dk, Dv] float32 (sequence b's state, updated in
+    place), cu [B + 1] long on the device -> o [T, Hv, Dv] (zero for tokens of no sequence). A grid axis runs over
+    the sequences; a sequence longer than MAX_TOKENS runs as consecutive launches of MAX_TOKENS-token pieces (the
+    launches order the state's update). Graph-safe: nothing per sequence is read on the host."""
+    T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    B = S.shape[0]
+    assert q.shape == k.shape and v.shape[0] == T and g.shape == (T, Hv) and beta.shape == (T, Hv)
+    assert S.shape == (B, Hv, Dk, Dv) and S.dtype == torch.float32 and cu.shape == (B + 1,)
+    assert Dk >= 16 and Dk & (Dk - 1) == 0 and Dv >= 16 and Dv & (Dv - 1) == 0, "Dk, Dv: powers of two >= 16"
+    BV, BK = min(block_v, Dv), min(block_k, Dk)
+    BT = max(16, triton.next_power_of_2(min(max(lmax, 1), MAX_TOKENS)))
+    if q.is_cuda and BT == 64 and BK < WIDE_KEYS:  # see delta_chunk
+        raise ValueError(f"delta_batch on CUDA: 33..64 tokens need key slices of 64 (Dk >= 64, block_k >= 64), got {BK}")
+    o = torch.zeros((T, Hv, Dv), dtype=v.dtype, device=v.device)
+    for piece in range(0, max(lmax, 1), BT):
+        _delta_chunk_kernel[(Hv, Dv // BV, B)](
+            q, k, v, g, beta, S, o, BT,
+            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride()[1:], *o.stride(),
+            Dk**-0.5, cu, S.stride(0), piece,
+            GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BV=BV, DOT=dot_precision,
+            RAW_QK=q.is_cuda and q.element_size() == 2, STORE=True, VARLEN=True,
+            num_warps=num_warps,
+        )
     return o

@@ -56,8 +56,8 @@ def try_capture(fn, pool, stats: dict, failures: list[str], what: str):
 
 def fill_inputs(buf: np.ndarray, L: int, S: int, ids=(), slots=(), nopts=(), scalars=()) -> None:
     """Write a graph's inputs into buf [L + 2 * S + len(scalars)] (int64): ids zero-padded to L | slots | option
-    counts (2 past the real slots) | scalars (the chunk runner's start and real length). ids: a list or an int64
-    numpy array."""
+    counts (2 past the real slots) | scalars (the chunk runner's start, real length, route and rotary shift; the
+    plain path's real length). ids: a list or an int64 numpy array."""
     n = len(ids)
     buf[:n] = ids
     buf[n:L] = 0

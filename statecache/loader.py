@@ -1,8 +1,8 @@
 """Loading a Hugging Face Qwen3.5 checkpoint folder into fused weights on the target device and dtype.
 
 Reads `config.json` (statecache.config), single or sharded safetensors (with `model.safetensors.index.json`),
-and only the text model's weights: vision (`model.visual.*`) and multi-token-prediction (`mtp.*`) weights are
-never read. Each tensor goes straight from the file to the device, cast there, so no float32 copy of the model
+and only the text model's weights: vision (`model.visual.*`, which statecache.vision loads into transformers'
+own vision module) and multi-token-prediction (`mtp.*`) weights are never read here. Each tensor goes straight from the file to the device, cast there, so no float32 copy of the model
 sits in host memory. Projections are fused at load: a GDN layer's in_proj_qkv/z/b/a into one matrix, attention's
 q/k/v into one, the MLP's gate/up into one. The output head keeps only the rows of the option letters.
 Knows nothing of rows, caches or kernels.

@@ -1,6 +1,6 @@
 """A bounded LRU memo of results for exactly repeated rows, answered before anything runs.
 
-The key is the row's full tokens, slots and option counts (``row_key``), so a hit is exact: equal keys mean an
+The key is the row's full tokens (as int64 bytes), slots and option counts (``row_key``), so a hit is exact: equal keys mean an
 equal row. Values are plain result dicts; the memo stores a deep copy and hands out a deep copy, so callers may
 mutate what they get (e.g. set ``path="memo"``) or what they put.
 
@@ -17,13 +17,23 @@ from collections.abc import Hashable, Iterable
 
 import numpy as np
 
-RowKey = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+RowKey = tuple[object, tuple[int, ...], tuple[int, ...]]
 
 
 def row_key(ids: Iterable[int], slots: Iterable[int], nopts: Iterable[int]) -> RowKey:
-    """An exact, hashable key of a row: its tokens, answer slots and option counts as tuples of Python ints
-    (a list and a numpy array of the same tokens give the same key)."""
-    return _ints(ids), _ints(slots), _ints(nopts)
+    """An exact, hashable key of a row: its tokens as the bytes of an int64 array (hashed once, compared with
+    memcmp: a 4k-token key costs microseconds to look up), its answer slots and option counts as tuples of
+    Python ints. A list and a numpy array of the same tokens give the same key; floats are refused."""
+    return _id_bytes(ids), _ints(slots), _ints(nopts)
+
+
+def _id_bytes(ids: Iterable[int]) -> object:
+    arr = ids if isinstance(ids, np.ndarray) else np.array(ids if isinstance(ids, (list, tuple)) else list(ids))
+    if arr.size and arr.dtype.kind not in "iub":
+        if arr.dtype.kind == "O":  # ints beyond int64 (or junk): exact Python ints, never equal to an array key
+            return _ints(arr.tolist())
+        raise TypeError(f"expected integers, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False).tobytes()
 
 
 def _ints(xs: Iterable[int]) -> tuple[int, ...]:
@@ -33,6 +43,22 @@ def _ints(xs: Iterable[int]) -> tuple[int, ...]:
             raise TypeError(f"expected integers, got {xs.dtype}")
         return tuple(xs.tolist())
     return tuple(map(operator.index, xs))
+
+
+_IMMUTABLE = (str, int, float, bool, type(None), bytes)
+
+
+def _copy(x):
+    """A deep copy of a JSON-like result (dicts, lists, scalars) without deepcopy's bookkeeping; anything else is
+    deep-copied the general way."""
+    t = type(x)
+    if t is dict:
+        return {k: _copy(v) for k, v in x.items()}
+    if t is list:
+        return [v if type(v) in _IMMUTABLE else _copy(v) for v in x]
+    if t in _IMMUTABLE:
+        return x
+    return copy.deepcopy(x)
 
 
 class Memo:
@@ -50,13 +76,13 @@ class Memo:
         if v is None:
             return None
         self._d.move_to_end(key)
-        return copy.deepcopy(v)
+        return _copy(v)
 
     def put(self, key: Hashable, value: dict) -> None:
         """Store a copy of ``value`` as most recently used; evict the least recently used beyond the bound."""
         if self.max_entries == 0:
             return
-        self._d[key] = copy.deepcopy(value)
+        self._d[key] = _copy(value)
         self._d.move_to_end(key)
         while len(self._d) > self.max_entries:
             self._d.popitem(last=False)

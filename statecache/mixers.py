@@ -22,6 +22,13 @@ class PackedMixer:
         self.k, self.cu, self.max_len = kernels, cu, max_len  # cu: int32 [B + 1]
         self.seq_cu = cu if cu.numel() > 2 else None  # one sequence: the GDN kernels' plain (non-varlen) form
         self.live = None  # no padding tokens
+        # chunked prefill across layers: a long eager packed forward calls `every_layers()` every `layers_every`
+        # layers (the caller answers short work that arrived meanwhile; never set while a CUDA graph is captured)
+        self.every_layers, self.layers_every = None, 4
+
+    def after_layer(self, i: int) -> None:
+        if self.every_layers is not None and (i + 1) % self.layers_every == 0:
+            self.every_layers()
 
     def conv(self, j: int, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.k.conv(x[None], w, self.seq_cu)[0]

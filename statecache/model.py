@@ -114,17 +114,26 @@ class Qwen35:
             self.add_norm, self.act, self.gnorm = Fused(add_rmsnorm), Fused(silu_mul), Fused(gated_rmsnorm)
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos [T] (long) -> cos, sin [T, rotary_dim] in the model dtype."""
-        f = pos.float()[:, None] * self.inv_freq[None]
+        """pos [T] (long), or [3, T] multimodal positions (temporal, height, width: image rows) -> cos, sin
+        [T, rotary_dim] in the model dtype. [3, T] interleaves the sections as transformers' Qwen3.5 does: frequency
+        j takes the height position when j % 3 == 1 and j < 3 * mrope_section[1], the width one likewise (% 3 == 2),
+        else the temporal one; text tokens have all three equal, which is the 1-D rotary."""
+        f = pos.float()[..., None] * self.inv_freq  # [T, R/2] or [3, T, R/2]
+        if pos.dim() == 2:
+            sec, f3 = self.cfg.mrope_section, f
+            f = f3[0].clone()
+            for d in (1, 2):
+                f[:, d : 3 * sec[d] : 3] = f3[d][:, d : 3 * sec[d] : 3]
         f = torch.cat([f, f], -1)
         return f.cos().to(self.dtype), f.sin().to(self.dtype)
 
-    def gdn(self, i: int, x: torch.Tensor, mix) -> torch.Tensor:
+    def gdn(self, i: int, x: torch.Tensor, mix, lora=None) -> torch.Tensor:
         cfg, m = self.cfg, self.w.layers[i].mixer
         assert isinstance(m, GdnWeights)
         T = x.shape[0]
         C, vd, Hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
-        qkv, z, b, a = torch.split(x @ m.in_w.T, [C, vd, Hv, Hv], dim=-1)  # [T, C], [T, vd], [T, Hv] x2
+        y = x @ m.in_w.T if lora is None else lora.project(i, "in", x, m.in_w)
+        qkv, z, b, a = torch.split(y, [C, vd, Hv, Hv], dim=-1)  # [T, C], [T, vd], [T, Hv] x2
         qkv = mix.conv(self.slot[i], qkv, m.conv_w)  # [T, C] after SiLU
         q, k, v = torch.split(qkv, [cfg.key_dim, cfg.key_dim, vd], dim=-1)
         q = q.reshape(T, -1, cfg.linear_key_head_dim)  # [T, Hk, Dk]
@@ -133,36 +142,55 @@ class Qwen35:
         g, beta = self.gates(a, b, m.A_log, m.dt_bias, mix.live)  # [T, Hv] each: float32 log decay <= 0, model dtype
         o = mix.delta(self.slot[i], q, k, v, g, beta)  # [T, Hv, Dv]
         o = self.gnorm(o, z.reshape(T, Hv, -1), m.norm_w, self.eps)
-        return o.reshape(T, vd) @ m.out_w.T
+        o = o.reshape(T, vd)
+        return o @ m.out_w.T if lora is None else lora.project(i, "out", o, m.out_w)
 
-    def attn(self, i: int, x: torch.Tensor, mix, rope) -> torch.Tensor:
+    def attn(self, i: int, x: torch.Tensor, mix, rope, lora=None) -> torch.Tensor:
         cfg, m = self.cfg, self.w.layers[i].mixer
         assert isinstance(m, AttnWeights)
         T, Hq, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg, k, v = torch.split(x @ m.qkv_w.T, [2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
+        y = x @ m.qkv_w.T if lora is None else lora.project(i, "qkv", x, m.qkv_w)
+        qg, k, v = torch.split(y, [2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = torch.chunk(qg.view(T, Hq, 2 * D), 2, dim=-1)  # [T, Hq, D] each
         cos, sin = rope
         q = self.qk_prep(q, m.q_norm, cos, sin, self.eps)
         k = self.qk_prep(k.view(T, Hkv, D), m.k_norm, cos, sin, self.eps)
         o = mix.attend(self.slot[i], q, k, v.view(T, Hkv, D), D**-0.5)  # [T, Hq, D]
-        return self.gate_out(o, gate) @ m.o_w.T
+        o = self.gate_out(o, gate)
+        return o @ m.o_w.T if lora is None else lora.project(i, "o", o, m.o_w)
 
-    def body(self, ids: torch.Tensor, pos: torch.Tensor, mix) -> torch.Tensor:
-        """ids, pos [T] -> the last layer's hidden states [T, H] (before the final norm).
+    def body(self, ids: torch.Tensor, pos: torch.Tensor, mix, lora=None, *, embeds=None) -> torch.Tensor:
+        """ids [T], pos [T] or [3, T] (see rope) -> the last layer's hidden states [T, H] (before the final norm).
+        embeds: None, or (index [k] long, values [k, H]): those tokens take these input embeddings instead of their
+        ids' (image rows: the vision tower's output at the image-pad tokens).
 
-        Each residual add is fused with the norm after it, so x is always the normed input of the next block."""
+        Each residual add is fused with the norm after it, so x is always the normed input of the next block.
+        lora: None (the trunk), or a specialists binding (statecache.specialists.lora): it is attached to the weights
+        (`attach`, a no-op once done), handed the hidden state entering its router's layer (`feature`) and does every
+        projection, its routes' LoRA terms included (`project(i, site, x, W)` in place of x @ W.T)."""
+        if lora is not None:
+            lora.attach(self.w)
         layers = self.w.layers
         h = self.w.embed.index_select(0, ids).to(self.hdtype)  # [T, H]
+        if embeds is not None:
+            h.index_copy_(0, embeds[0], embeds[1].to(h.dtype))
         rope = self.rope(pos)
         x = self.norm(h, layers[0].in_norm, self.eps).to(self.dtype)
         for i, L in enumerate(layers):
-            d = self.gdn(i, x, mix) if L.kind == LINEAR else self.attn(i, x, mix, rope)  # [T, H]
+            if lora is not None and i == lora.router_layer:
+                lora.feature(h)
+            d = self.gdn(i, x, mix, lora) if L.kind == LINEAR else self.attn(i, x, mix, rope, lora)  # [T, H]
             h, x = self.add_norm(h, d, L.post_norm, self.eps)
-            d = self.act(x @ L.gate_up_w.T) @ L.down_w.T
+            if lora is None:
+                d = self.act(x @ L.gate_up_w.T) @ L.down_w.T
+            else:
+                d = lora.project(i, "down", self.act(lora.project(i, "gate_up", x, L.gate_up_w)), L.down_w)
             if i + 1 < len(layers):
                 h, x = self.add_norm(h, d, layers[i + 1].in_norm, self.eps)
             else:
                 h = h + d
+            if (after := getattr(mix, "after_layer", None)) is not None:
+                after(i)
         return h
 
     def letter_probs(self, h: torch.Tensor, nopts: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,17 @@ Two forms:
 - single: one row alone, its tokens zero-padded to a multiple of `bucket` (everything is causal, so padding after
   the row changes nothing before it). On CUDA each (padded length, slot bucket) is one CUDA graph, captured on
   first use into one shared pool, so a lone uncached row pays no Python or launch overhead. A shape that fails
-  to capture is remembered and that row runs packed instead.
-Knows nothing of the cache, the memo or Redis.
+  to capture is remembered and that row runs packed instead. A row that leaves checkpoints does not take this form:
+  its delta rule is split at its own positions, which are not a shape a bucketed graph key can hold; with
+  `plant_graphs` (experimental) it runs as pieces of graphs cut at the delta rules (statecache.plant.PlantGraphs).
+A row with images (a fourth item: its statecache.vision.RowImages) always runs packed (never single, never as
+PlantGraphs' pieces): its tokens take their multimodal positions and, at the image tokens, the vision tower's
+embeddings; the other rows in the same forward keep their 1-D positions (expanded to three equal rows). It may
+leave checkpoints like any other (statecache.plant.PlantMixer splits only the delta rule; the attention K/V it
+keeps are rotated with the row's own multimodal positions).
+With specialists every row picks its own route inside the forward (statecache.specialists.lora.RoutedRows: the
+router reads the hidden state entering its layer, which no adapter touches), so one pass gives both the route
+and the answer, and a packed forward may mix routes. Knows nothing of the cache, the memo or Redis.
 """
 
 from __future__ import annotations
@@ -18,21 +27,28 @@ import torch
 
 from .graphs import new_stats, pack_inputs, try_capture
 from .mixers import PackedMixer
+from .plant import Planted, PlantGraphs, PlantMixer
+from .specialists.lora import RoutedRows
 
 SLOT_BUCKETS = (4, 16, 64)  # answer slots a single-row graph has room for
 
 
 @dataclass
 class _Graph:
-    inp: torch.Tensor  # [T + 2 * S] long: ids | slots | nopts
+    inp: torch.Tensor  # [T + 2 * S + 1] long: ids | slots | nopts | real length
     out: torch.Tensor | None  # [S, n_letters] float32
+    route: torch.Tensor  # [1] long: the row's specialists route (each replay rewrites it)
     graph: "torch.cuda.CUDAGraph | None"
 
 
 class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
-                 bucket: int = 64, max_graph_tokens: int = 8192, pool=None):
+                 bucket: int = 64, max_graph_tokens: int = 8192, pool=None, specialists=None,
+                 plant_graphs: bool = False):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
+        self.spec = specialists  # statecache.specialists.Specialists | None
+        if specialists is not None:  # fold the adapters into the weights now, before any graph is captured
+            specialists.lora.attach(model.w)
         self.use_graphs = (model.device.type == "cuda") if graphs is None else graphs
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)  # single rows padded to `bucket`
         self.bucket, self.max_graph_tokens = bucket, max_graph_tokens
@@ -40,6 +56,9 @@ class PlainPath:
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.failures: list[str] = []
+        # a lone planting row as pieces of graphs (statecache.plant.PlantGraphs; experimental, off by default)
+        self.planter = (PlantGraphs(model, kernels, self.pool, max_graph_tokens, self.stats, self.failures)
+                        if plant_graphs and self.use_graphs else None)
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices of rows packed greedily into forwards of at most max_tokens tokens (a longer row goes alone)."""
@@ -55,22 +74,51 @@ class PlainPath:
             out.append(cur)
         return out
 
+    def forward(self, rows: list[tuple]) -> list[list[list[float]]]:
+        """rows: (ids, slots, nopts) or (ids, slots, nopts, images) each -> per row, per slot, the option
+        probabilities. images: None or the row's statecache.vision.RowImages."""
+        return [probs for probs, _ in self.answer(rows)]
+
+    def answer(self, rows: list[tuple]) -> list[tuple[list[list[float]], int | None]]:
+        """rows: as `forward` -> per row (per slot the option probabilities, its specialists route or None without
+        specialists)."""
+        return self.run(rows)[0]
+
     @torch.no_grad()
-    def forward(self, rows: list[tuple[list[int], list[int], list[int]]]) -> list[list[list[float]]]:
-        """rows: (ids, slots, nopts) each -> per row, per slot, the option probabilities."""
+    def run(self, rows: list[tuple], plans: list[list[int] | None] | None = None, between=None
+            ) -> tuple[list[tuple[list[list[float]], int | None]], list[Planted | None]]:
+        """rows: (ids, slots, nopts) or (ids, slots, nopts, images) each; plans: per row its checkpoint positions
+        (ascending, in (0, len(ids)]) or None -> (per row (per slot the option probabilities, its route or None); per
+        row its Planted, None where its plan was). Planting is trunk only: with specialists, plans must all be None.
+        between: called every few layers of a packed forward (chunked prefill: the caller answers short work that
+        arrived meanwhile)."""
+        plans = plans if plans is not None else [None] * len(rows)
+        if len(plans) != len(rows):
+            raise ValueError(f"{len(plans)} plans for {len(rows)} rows")
+        if self.spec is not None and any(pl is not None for pl in plans):
+            raise ValueError("the packed forward plants only without specialists")
         results: list = [None] * len(rows)
+        planted: list = [None] * len(rows)
         for batch in self.batches([len(r[0]) for r in rows]):
-            if len(batch) == 1 and self.pad:
-                got = self._single(*rows[batch[0]])
+            text = _images(rows[batch[0]]) is None
+            if len(batch) == 1 and self.pad and plans[batch[0]] is None and text:
+                got = self._single(*rows[batch[0]][:3])
                 if got is not None:
                     results[batch[0]] = got
                     continue
-            self._packed(rows, batch, results)
-        return results
+            if len(batch) == 1 and self.planter is not None and plans[batch[0]] is not None and text:
+                ids, slots, nopts = rows[batch[0]][:3]
+                key = self.planter.key(len(ids), len(slots), len(plans[batch[0]]), self.bucket, SLOT_BUCKETS)
+                got = None if key is None else self.planter.run(key, ids, slots, nopts, plans[batch[0]])
+                if got is not None:
+                    results[batch[0]], planted[batch[0]] = (got[0], None), got[1]
+                    continue
+            self._packed(rows, batch, results, plans, planted, between)
+        return results, planted
 
     # ---- packed ---------------------------------------------------------------------------------------------------
 
-    def _packed(self, rows, batch: list[int], results: list) -> None:
+    def _packed(self, rows, batch: list[int], results: list, plans=None, planted=None, between=None) -> None:
         dev = self.model.device
         ids = torch.tensor([t for i in batch for t in rows[i][0]], dtype=torch.long)
         lens = [len(rows[i][0]) for i in batch]
@@ -78,17 +126,43 @@ class PlainPath:
         for n in lens:
             starts.append(starts[-1] + n)
         pos = torch.cat([torch.arange(n) for n in lens])
+        embeds = None
+        if any(_images(rows[i]) is not None for i in batch):  # multimodal positions [3, T], image embeddings
+            pos = pos.expand(3, -1).clone()
+            idx, vals = [], []
+            for k, i in enumerate(batch):
+                if (im := _images(rows[i])) is not None:
+                    p3, e = im.chunk(0, lens[k], lens[k])
+                    pos[:, starts[k] : starts[k + 1]] = p3.cpu()
+                    if e is not None:
+                        idx.append(e[0] + starts[k])
+                        vals.append(e[1])
+            embeds = (torch.cat(idx).to(dev), torch.cat(vals)) if idx else None
         slot_idx = torch.tensor([starts[k] + s for k, i in enumerate(batch) for s in rows[i][1]], dtype=torch.long)
         nopts = torch.tensor([o for i in batch for o in rows[i][2]], dtype=torch.long)
         cu = torch.tensor(starts, dtype=torch.int32, device=dev)
-        mix = PackedMixer(self.kernels, cu, max(lens))
-        h = self.model.body(ids.to(dev), pos.to(dev), mix)  # [T, H]
+        if plans is not None and any(plans[i] is not None for i in batch):
+            cfg = self.model.cfg
+            mix = PlantMixer(self.kernels, cu, lens, [plans[i] for i in batch], len(cfg.linear_layers),
+                             len(cfg.full_layers))
+        else:
+            mix = PackedMixer(self.kernels, cu, max(lens))
+        mix.every_layers = between
+        lora = None
+        if self.spec is not None:
+            seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
+            lora = RoutedRows(self.spec.lora, self.spec.router, seq, None, len(lens))
+        h = self.model.body(ids.to(dev), pos.to(dev), mix, lora, embeds=embeds)  # [T, H]
         probs = self.model.letter_probs(h.index_select(0, slot_idx.to(dev)), nopts.to(dev)).float().cpu()
+        routes = lora.routes.tolist() if lora is not None else [None] * len(batch)
         j = 0
-        for i in batch:
-            _, slots, no = rows[i]
-            results[i] = [probs[j + k, : no[k]].tolist() for k in range(len(slots))]
+        for k_row, i in enumerate(batch):
+            slots, no = rows[i][1], rows[i][2]
+            results[i] = ([probs[j + k, : no[k]].tolist() for k in range(len(slots))], routes[k_row])
             j += len(slots)
+        if isinstance(mix, PlantMixer):
+            for i, pl in zip(batch, mix.planted):
+                planted[i] = pl
 
     # ---- single, padded (one CUDA graph per shape) ----------------------------------------------------------------
 
@@ -100,28 +174,36 @@ class PlainPath:
             return None
         return T, S
 
-    def _run(self, inp: torch.Tensor, T: int, S: int) -> torch.Tensor:
-        ids, slots, nopts = torch.split(inp, [T, S, S])
+    def _run(self, inp: torch.Tensor, T: int, S: int, route: torch.Tensor) -> torch.Tensor:
+        ids, slots, nopts, real = torch.split(inp, [T, S, S, 1])
         dev = inp.device
         cu = torch.arange(0, 2 * T, T, dtype=torch.int32, device=dev)  # [0, T], made on the device (graph-safe)
-        h = self.model.body(ids, torch.arange(T, device=dev), PackedMixer(self.kernels, cu, T))  # [T, H]
+        lora = None
+        if self.spec is not None:  # one row: every token is in row 0; padding does not count towards its route
+            ar = torch.arange(T, device=dev)
+            lora = RoutedRows(self.spec.lora, self.spec.router, torch.zeros_like(ar), ar < real, 1)
+        h = self.model.body(ids, torch.arange(T, device=dev), PackedMixer(self.kernels, cu, T), lora)  # [T, H]
+        if lora is not None:
+            route.copy_(lora.routes)
         return self.model.letter_probs(h.index_select(0, slots), nopts)  # [S, n_letters]
 
     def _capture(self, T: int, S: int) -> _Graph | None:
         """The shape's graph; None when it fails to capture (rows of this shape then run packed)."""
-        g = _Graph(inp=pack_inputs(T, S).to(self.model.device), out=None, graph=None)
-        got = try_capture(lambda: self._run(g.inp, T, S), self.pool, self.stats, self.failures, f"plain ({T}, {S})")
+        dev = self.model.device
+        g = _Graph(inp=pack_inputs(T, S, scalars=(T,)).to(dev), out=None, graph=None,
+                   route=torch.zeros(1, dtype=torch.long, device=dev))
+        got = try_capture(lambda: self._run(g.inp, T, S, g.route), self.pool, self.stats, self.failures, f"plain ({T}, {S})")
         if got is None:
             return None
         g.graph, g.out = got
         return g
 
-    def _single(self, ids, slots, nopts) -> list[list[float]] | None:
+    def _single(self, ids, slots, nopts) -> tuple[list[list[float]], int | None] | None:
         key = self.shape(len(ids), len(slots))
         if key is None:
             return None
         T, S = key
-        inp = pack_inputs(T, S, ids, slots, nopts)
+        inp = pack_inputs(T, S, ids, slots, nopts, (len(ids),))
         if self.use_graphs:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(T, S)
@@ -130,8 +212,13 @@ class PlainPath:
                 return None
             g.inp.copy_(inp)  # from pageable memory: the host tensor may go as soon as this returns
             g.graph.replay()
-            out = g.out
+            out, route = g.out, g.route
         else:
-            out = self._run(inp.to(self.model.device), T, S)
+            route = torch.zeros(1, dtype=torch.long, device=self.model.device)
+            out = self._run(inp.to(self.model.device), T, S, route)
         probs = out[: len(slots)].float().cpu()
-        return [probs[k, : nopts[k]].tolist() for k in range(len(slots))]
+        return [probs[k, : nopts[k]].tolist() for k in range(len(slots))], (int(route) if self.spec is not None else None)
+
+
+def _images(row: tuple):
+    return row[3] if len(row) > 3 else None

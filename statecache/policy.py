@@ -1,7 +1,9 @@
-"""The `cold_ok` policy: may a row whose state has nothing saved take the cached path (and plant) now?
+"""The `cold_ok` policy: may a new state (nothing saved to continue from) be planted now?
 
 This is the one place that decides it. The engine builds a `ColdContext` for each new state it is about to
-run and asks the policy once; the cache and the plain path only carry out the answer. An operator replaces
+run and asks the policy once; yes: the state's first row runs in the batch's packed forward, which plants its
+checkpoints (statecache.plant); no: its rows run plain and nothing is planted. The cache and the plain path
+only carry out the answer. An operator replaces
 the default with any callable `(ColdContext) -> bool`, named by import path in the settings
 (`load_policy("package.module:attr")`).
 

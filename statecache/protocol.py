@@ -58,6 +58,13 @@ ERROR_CODES = {
     "slot_out_of_range": "an answer slot outside the row",
     "length_mismatch": "slots and nopts differ in length",
     "bad_nopts": "a question with too few or too many options",
+    # images (statecache.rows, statecache.images, statecache.text)
+    "no_vision": "the row has images but the model has no vision tower (or no image processor)",
+    "image_count_mismatch": "the placeholders in the text and the images differ in number",
+    "image_tokens_mismatch": "the image-pad runs in the ids do not match the images",
+    "too_many_images": "more images than the limit",
+    "bad_image": "an image that is not PNG, JPEG or WebP bytes, or does not decode",
+    "image_too_large": "an image over the byte or pixel limit",
     # the job
     "bad_job": "the answer job was not called with exactly one row",
     "job_too_large": "the job's payload is larger than the worker's STATECACHE_MAX_JOB_BYTES; it was not decoded",

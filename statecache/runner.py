@@ -1,7 +1,10 @@
 """Runs one chunk of one row from the static state buffers: eagerly (CPU), or as one CUDA graph replay.
 
-Graphs are keyed by (bucketed chunk length, attention span) only; chunk start, real length, answer slots and
-their option counts live in device buffers read inside the graph, so one graph serves every row and position.
+Graphs are keyed by (bucketed chunk length, attention span) only; chunk start, real length, the specialists route,
+the rotary shift (image rows: position - index of the chunk's text, 0 otherwise), answer slots and their option
+counts live in device buffers read inside the graph, so one graph serves every row, position and route. A chunk
+holding image tokens runs eagerly with its multimodal positions and image embeddings
+(statecache.vision.RowImages.chunk), with its route like any other.
 All graphs share one memory pool. Capturing runs the chunk twice to warm up, which overwrites the state buffers:
 callers `ensure` every shape a row needs *before* restoring its checkpoint. A shape that fails to capture is
 remembered as failed and reported through `ensure` (the row then takes the plain path).
@@ -18,8 +21,9 @@ import torch
 
 from .graphs import Staging, new_stats, pack_inputs, try_capture
 from .mixers import ChunkMixer, ChunkState
+from .specialists.lora import FixedRoute
 
-CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # chunk lengths a graph is captured for (tokens)
+CHUNKS = (64, 128, 256, 512, 1024, 1536, 2048)  # chunk lengths a graph is captured for (bench/chunk_buckets.py)
 
 
 def bucket(n: int, sizes) -> int | None:
@@ -31,12 +35,14 @@ def bucket(n: int, sizes) -> int | None:
 
 @dataclass
 class _Graph:
-    inp: torch.Tensor  # [L + 2 * max_slots + 2] long: ids | slots | nopts | start | real, one copy per run
+    inp: torch.Tensor  # [L + 2 * max_slots + 4] long: ids | slots | nopts | start | real | route | shift; one copy a run
     ids: torch.Tensor  # [L] long
     slots: torch.Tensor  # [max_slots] long, relative to the chunk start
     nopts: torch.Tensor  # [max_slots] long
     start: torch.Tensor  # long scalar: the chunk's first position
     real: torch.Tensor  # long scalar: its real (unpadded) length
+    route: torch.Tensor  # long [1]: the specialists route the adapter layers run with (0: the trunk)
+    shift: torch.Tensor  # long scalar: rotary position - index of the chunk's tokens (image rows; else 0)
     out: torch.Tensor  # [max_slots, n_letters] float32 probabilities
     graph: "torch.cuda.CUDAGraph | None"
     staging: Staging | None = None  # the pinned host side of inp (graphs only)
@@ -48,8 +54,14 @@ class NotCaptured(Exception):
 
 class ChunkRunner:
     def __init__(self, model, kernels, *, max_pos: int = 8192, span_step: int = 1024, max_slots: int = 4,
-                 graphs: bool | None = None, pad: bool | None = None, chunks=CHUNKS, pool=None):
+                 graphs: bool | None = None, pad: bool | None = None, chunks=CHUNKS, pool=None, specialists=None):
         self.model, self.kernels = model, kernels
+        # specialists (statecache.specialists.Specialists | None): every chunk runs with the route in its inputs and
+        # leaves its real tokens' router feature sum in `fsum` [H] (float32)
+        self.spec = specialists
+        if specialists is not None:  # fold the adapters into the weights now, before any graph is captured
+            specialists.lora.attach(model.w)
+        self.fsum = torch.zeros(model.cfg.hidden_size, device=model.device) if specialists is not None else None
         self.device = model.device
         self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)  # bucket chunk lengths
@@ -94,21 +106,30 @@ class ChunkRunner:
 
     # ---- the chunk forward ----------------------------------------------------------------------------------------
 
-    def _forward(self, g: _Graph, L: int, span: int) -> torch.Tensor:
+    def _forward(self, g: _Graph, L: int, span: int, mm=None) -> torch.Tensor:
+        """mm: None, or (positions [3, L], embeds) for a chunk holding image tokens (eager only)."""
         mix = ChunkMixer(self.kernels, self.st, L, span, g.start, g.real)
-        h = self.model.body(g.ids, mix.pos, mix)  # [L, H]
+        lora = None if self.spec is None else FixedRoute(self.spec.lora, self.spec.router, g.route)
+        if mm is None:
+            h = self.model.body(g.ids, mix.pos + g.shift, mix, lora)  # [L, H]
+        else:
+            h = self.model.body(g.ids, mm[0], mix, lora, embeds=mm[1])
+        if lora is not None:
+            self.fsum.copy_((lora.f * mix.live[:, None]).sum(0))
         return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [max_slots, n_letters]
 
     def _buffers(self, inp: torch.Tensor, L: int) -> _Graph:
         """The graph's views of its input buffer inp (see pack_inputs; on the device)."""
         S = self.max_slots
-        ids, slots, nopts, scalars = torch.split(inp, [L, S, S, 2])
-        return _Graph(inp=inp, ids=ids, slots=slots, nopts=nopts, start=scalars[0], real=scalars[1], out=None, graph=None)
+        ids, slots, nopts, scalars = torch.split(inp, [L, S, S, 4])
+        return _Graph(inp=inp, ids=ids, slots=slots, nopts=nopts, start=scalars[0], real=scalars[1], route=scalars[2:3],
+                      shift=scalars[3],
+                      out=None, graph=None)
 
     def _capture(self, L: int, span: int) -> _Graph | None:
         """The shape's graph; None when it fails to capture (rows needing it take the plain path)."""
         self.kv_owner = None  # the warm-up runs overwrite the state buffers
-        g = self._buffers(pack_inputs(L, self.max_slots, scalars=(0, L)).to(self.device), L)
+        g = self._buffers(pack_inputs(L, self.max_slots, scalars=(0, L, 0, 0)).to(self.device), L)
         got = try_capture(lambda: self._forward(g, L, span), self.pool, self.stats, self.failures, f"chunk ({L}, {span})")
         if got is None:
             return None
@@ -144,22 +165,29 @@ class ChunkRunner:
         return {"graphs": sum(g is not None for g in self.graphs.values()), "seconds": round(time.perf_counter() - t0, 2),
                 "failed": self.failures[:3]}
 
-    def run(self, ids, s: int, e: int, slots=None, nopts=None) -> torch.Tensor:
+    def run(self, ids, s: int, e: int, slots=None, nopts=None, route: int = 0, images=None) -> torch.Tensor:
         """Chunk [s, e) of ids (an int64 numpy array or a list of ints) from the current state -> probabilities
-        [max_slots, n_letters] at `slots` (absolute positions in [s, e)); rows past len(slots) are padding."""
+        [max_slots, n_letters] at `slots` (absolute positions in [s, e)); rows past len(slots) are padding.
+        route: the specialists route the adapter layers run with (specialists only). images: the row's
+        statecache.vision.RowImages, or None (a text row)."""
         key = self.shape(s, e)
         if key is None:
             raise NotCaptured(f"chunk [{s}, {e}) has no shape")
         L, span = key
         rel = [x - s for x in slots or ()]
+        shift = images.shift(s) if images is not None else 0
+        if images is not None and images.has_image(s, e):  # eagerly, with positions and embeddings
+            inp = pack_inputs(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s, route, shift))
+            with torch.no_grad():
+                return self._forward(self._buffers(inp.to(self.device), L), L, span, images.chunk(s, e, L))
         if not self.use_graphs:
-            inp = pack_inputs(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s))
+            inp = pack_inputs(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s, route, shift))
             with torch.no_grad():
                 return self._forward(self._buffers(inp.to(self.device), L), L, span)
         g = self.graphs.get(key)
         if g is None:
             raise NotCaptured(f"no graph for {key}")
-        g.staging.send(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s))
+        g.staging.send(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s, route, shift))
         g.graph.replay()
         return g.out
 

@@ -44,7 +44,8 @@ class Settings:
     cold_ok: str = _f("", "STATECACHE_COLD_OK", "import path of the cold_ok policy (default: statecache.policy.PlantWhenItFits)")
     compile: bool | None = _f(None, "STATECACHE_COMPILE", "torch.compile the elementwise kernels (default: on cuda)")
     precapture: bool = _f(True, "STATECACHE_PRECAPTURE", "capture every CUDA graph before serving (no-op on the CPU)")
-    specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "folder of specialist adapters (default: none)")
+    specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; README: Specialists; default: none)")
+    batch: int = _f(64, "STATECACHE_BATCH", "most rows of saved states run in one batched forward (0: one at a time)")
     max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")
     # --- the state cache
     cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")
@@ -55,7 +56,6 @@ class Settings:
     cache_min_prefix: int = _f(256, "STATECACHE_CACHE_MIN_PREFIX", "shorter states take the plain path")
     cache_max_slots: int = _f(4, "STATECACHE_CACHE_MAX_SLOTS", "answer slots a cached row may have")
     # --- the worker
-    backlog_rows: int = _f(8, "STATECACHE_BACKLOG_ROWS", "rows waiting beyond a batch above which the queue counts as backed up (the engine's view of load)")
     max_jobs: int = _f(32, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
     poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "arq polls the queue this often")
     job_timeout_s: float = _f(120.0, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")
@@ -146,6 +146,15 @@ def markdown_table() -> str:
 def env_home() -> str | None:
     """STATECACHE_HOME alone (the tiny model's folder), without reading or checking the other settings."""
     return os.environ.get("STATECACHE_HOME") or None
+
+
+def setdefault_env(values: Mapping[str, str]) -> dict[str, str]:
+    """Set each variable of `values` the environment leaves unset (other libraries' settings, e.g. the compile
+    caches' folders: statecache.compile_cache); returns each as it now stands."""
+    for name, value in values.items():
+        if not os.environ.get(name):
+            os.environ[name] = value
+    return {name: os.environ[name] for name in values}
 
 
 def is_set(name: str) -> bool:

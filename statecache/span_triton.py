@@ -21,6 +21,10 @@ loaded. Strides are passed, so q, k, v may be views (k, v: K[a, :P] of a bigger 
 Head dim: a power of two >= 16 (256 in the real models). A split gets at least `min_split_keys` keys, so a short
 span uses fewer splits (the others see no key and cost one lse store).
 
+`attend_batch` does the same for the packed sequences of a batch (statecache.batch): a grid axis over sequences
+and KV heads; each sequence reads its cached keys from its own buffer (an element offset from the chunk's keys, so
+a group's K/V are addressed where they are stored, never copied) and its own chunk's keys from the chunk.
+
 It knows nothing of layers, caches or the other kernels; the block sizes, warps, stages and split rule are
 arguments so a benchmark can pick them (bench/gpu_check_span.py). The defaults are the fastest of that sweep on an
 H200 at the 9B shape, 64 queries over 5120 keys (bench/results/s3_run2/span_check.json): 27 us, against 41 us for
@@ -131,6 +135,82 @@ def _span_combine_kernel(
     tl.store(O + qi * stride_ol + head * stride_oh + dd * stride_od, o.to(O.dtype.element_ty))
 
 
+@triton.jit
+def _span_batch_kernel(
+    Q, K, V, CU, START, OFF, O, OP, LSE,
+    stride_ql, stride_qh, stride_qd,
+    stride_kp, stride_kh, stride_kd,
+    stride_ol, stride_oh, stride_od,
+    Hkv, M_all, n_splits, min_tiles, qk_scale,
+    R: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """_span_split_kernel for sequence b = program_id(2) // Hkv of a packed batch: its queries are rows
+    [cu[b], cu[b + 1]) of Q at positions start[b] + i; its keys [0, start[b]) are read from its group's buffer at
+    element offset OFF[b, 0] (keys) / OFF[b, 1] (values) from K / V, keys [start[b], start[b] + i] are its own
+    chunk's rows of K / V (the same strides). Partials are indexed by global row (token * R + head in group)."""
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2) // Hkv
+    kvh = tl.program_id(2) % Hkv
+    bos = tl.load(CU + b)
+    L = tl.load(CU + b + 1) - bos
+    start = tl.load(START + b)
+    koff = tl.load(OFF + 2 * b)
+    voff = tl.load(OFF + 2 * b + 1)
+    M = L * R
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row = query * R + head in group
+    row_ok = rows < M
+    qi = rows // R  # [BM] query index within the sequence
+    head = kvh * R + rows % R  # [BM] query head
+    dd = tl.arange(0, D)  # [D]
+    q = tl.load(Q + (bos + qi)[:, None] * stride_ql + head[:, None] * stride_qh + dd[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)  # [BM, D]
+    limit = start + qi  # [BM] last key each row sees
+
+    last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // R, L - 1)
+    end = start + last_q + 1  # this block sees keys [0, end) (<= start when it has no row)
+    tiles = tl.maximum(tl.cdiv(tl.cdiv(end, BLOCK_N), n_splits), min_tiles)
+    lo = split * tiles * BLOCK_N
+    hi = tl.minimum(lo + tiles * BLOCK_N, end)
+    hi = tl.where(pid_m * BLOCK_M < M, hi, lo)  # a row block past this sequence's rows: no work
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    cn = tl.arange(0, BLOCK_N)
+    for n in range(lo, hi, BLOCK_N):
+        cols = n + cn  # [BN] key positions
+        col_ok = cols < hi
+        cached = cols < start
+        # the row of each key: in the group's buffer below start, in the chunk's rows from start on
+        kr = tl.where(cached, koff + cols.to(tl.int64) * stride_kp, (bos + cols - start).to(tl.int64) * stride_kp)
+        vr = tl.where(cached, voff + cols.to(tl.int64) * stride_kp, (bos + cols - start).to(tl.int64) * stride_kp)
+        kt = tl.load(K + kr[:, None] + kvh * stride_kh + dd[None, :] * stride_kd, mask=col_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
+        s = tl.where((cols[None, :] <= limit[:, None]) & col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(V + vr[:, None] + kvh * stride_kh + dd[None, :] * stride_kd, mask=col_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    l_use = tl.where(seen, l_i, 1.0)
+    o = acc / l_use[:, None]
+    if DIRECT:
+        tl.store(O + (bos + qi)[:, None] * stride_ol + head[:, None] * stride_oh + dd[None, :] * stride_od,
+                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (split * Hkv + kvh) * M_all + (bos * R + rows)  # [BM] global row of the [n_splits, Hkv, M_all] partials
+        tl.store(LSE + part, tl.where(seen, m_i + tl.log2(l_use), float("-inf")), mask=row_ok)
+        tl.store(OP + part[:, None] * D + dd[None, :], o, mask=(row_ok & seen)[:, None])
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -181,6 +261,53 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.
     if not direct:
         _span_combine_kernel[(M, Hkv)](
             op, lse, o, o.stride(0), o.stride(1), o.stride(2), M, n_splits,
+            R=R, D=D, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
+        )
+    return o
+
+
+def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, starts: torch.Tensor,
+                 off: torch.Tensor, lmax: int, scale: float, *, max_keys: int = 8192, block_m: int = 64,
+                 block_n: int = 32, num_warps: int = 4, num_stages: int = 2, n_splits: int | None = None,
+                 programs_per_sm: float = 2.0, min_split_keys: int = 256) -> torch.Tensor:
+    """attend_span for B packed sequences. q [T, Hq, D]; k, v [T, Hkv, D] contiguous: the chunk's own keys and values
+    (sequence b: rows [cu[b], cu[b + 1]), at most lmax, at positions starts[b] + i); off [B, 2] int64: element
+    offsets from k / v of sequence b's cached keys / values of [0, starts[b]) (a buffer with k's row and head
+    strides, anywhere in memory: a group's K[a]); cu [B + 1], starts [B] long on the device -> o [T, Hq, D], zero for
+    tokens of no sequence. max_keys (the longest span any sequence may have) sizes the split rule; graph-safe."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    B = starts.shape[0]
+    assert k.shape == (T, Hkv, D) and v.shape == k.shape and k.is_contiguous() and v.is_contiguous()
+    assert Hq % Hkv == 0 and D >= 16 and D & (D - 1) == 0 and off.shape == (B, 2) and cu.shape == (B + 1,)
+    R = Hq // Hkv
+    Mb = R * max(lmax, 1)  # rows of the longest sequence
+    min_tiles = max(1, triton.cdiv(min_split_keys, block_n))
+    if n_splits is None:
+        sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+        n_splits = split_count(max_keys, Hkv * B, Mb, block_m, block_n, min_tiles, sms, programs_per_sm)
+    o = torch.zeros(T, Hq, D, device=q.device, dtype=q.dtype)
+    direct = n_splits == 1
+    M_all = R * T
+    if direct:
+        op, lse = o, o
+    else:
+        op = torch.empty(n_splits, Hkv, M_all, D, device=q.device, dtype=torch.float32)
+        lse = torch.full((n_splits, Hkv, M_all), float("-inf"), device=q.device, dtype=torch.float32)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    off = off.contiguous()
+    _span_batch_kernel[(triton.cdiv(Mb, block_m), n_splits, Hkv * B)](
+        q, k, v, cu, starts, off, o, op, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        Hkv, M_all, n_splits, min_tiles, scale * LOG2E,
+        R=R, D=D, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, DOT_PREC=prec,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _span_combine_kernel[(M_all, Hkv)](
+            op, lse, o, o.stride(0), o.stride(1), o.stride(2), M_all, n_splits,
             R=R, D=D, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
         )
     return o

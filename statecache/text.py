@@ -12,6 +12,10 @@ its "Answer:" cue; the last question answers where the assistant's reply (the le
 the last token of the template tail. Without a chat template the plain layout is the same minus head and
 tail (every slot then sits on an "Answer:" cue).
 
+Images (statecache.images): each `<|image|>` placeholder in the state or a question becomes the checkpoint's image
+marker with its pad token expanded to the image's token count, inside the same pieces, so the state segment still
+ends where the state does and equal screenshots give equal tokens.
+
 Knows the tokenizer interface (`chat_template`, `apply_chat_template`, `encode`) and the row contract; does
 not know the model, the letters' token ids, or the queue. Deterministic: same row, same tokenizer, same ids.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import string
 from typing import Any
 
+from statecache.images import PLACEHOLDER
 from statecache.rows import MAX_OPTIONS, MIN_OPTIONS, TEXT_FIELDS, RowError, check_fields
 
 LETTERS = string.ascii_uppercase
@@ -87,20 +92,37 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-def encode_text_row(row: dict, tokenizer: Any, max_tokens: int) -> dict:
-    """A text row as a token row `{ids, state_len, slots, nopts}`; raises RowError if malformed or too long."""
+def encode_text_row(row: dict, tokenizer: Any, max_tokens: int, images: Any = None) -> dict:
+    """A text row as a token row `{ids, state_len, slots, nopts}` (plus `images`: unlocated ImageRefs, when the row
+    has any); raises RowError if malformed or too long. images: the model's statecache.images.ImageSupport."""
     state, questions = _check_text_row(row)
     chars = len(state) + sum(len(q["text"]) + sum(map(len, q["options"])) for q in questions)
     if chars > max_tokens * CHARS_PER_TOKEN_BOUND:
         raise RowError("too_long", f"{chars} characters of text, far over the limit of {max_tokens} tokens")
+    refs, k = [], 0
+    if images is not None:
+        n_ph = images.check_text(state, "state") + sum(
+            images.check_text(q["text"], f"questions[{i}].text") for i, q in enumerate(questions))
+        given = row.get("images") or []
+        if not isinstance(given, (list, tuple)) or n_ph != len(given):
+            n_img = len(given) if isinstance(given, (list, tuple)) else type(given).__name__
+            raise RowError("image_count_mismatch", f"{n_ph} image placeholder(s) {PLACEHOLDER!r} in the texts, {n_img} image(s)")
+        refs = images.prepare(given)
     head, tail = _frame(state, tokenizer)
+    if refs:
+        head, k = images.expand(head, refs, k)
     ids = _encode(tokenizer, head)
     state_len = len(ids)
     slots = []
     for i, q in enumerate(questions):
         piece = (QUESTION_SEP if i else "") + question_text(q) + (tail if i == len(questions) - 1 else "")
+        if refs:
+            piece, k = images.expand(piece, refs, k)
         ids += _encode(tokenizer, piece)
         slots.append(len(ids) - 1)
     if len(ids) > max_tokens:
         raise RowError("too_long", f"text row tokenises to {len(ids)} tokens, more than the limit {max_tokens}")
-    return {"ids": ids, "state_len": state_len, "slots": slots, "nopts": [len(q["options"]) for q in questions]}
+    out = {"ids": ids, "state_len": state_len, "slots": slots, "nopts": [len(q["options"]) for q in questions]}
+    if refs:
+        out["images"] = refs
+    return out

@@ -5,7 +5,13 @@ nothing; only their agreement with the reference does. Made once into ``$STATECA
 ``~/.cache/statecache/tiny-v1``): built in a temporary folder beside it, then renamed into place, so a reader
 never sees half a model and two processes racing to make it both end up with one whole copy.
 
-``python -m statecache.tiny`` prints the folder.
+``tiny_vl_model_dir()`` is the same model in the released multimodal layout (``Qwen3_5ForConditionalGeneration``) with
+a tiny vision tower, an image processor config and the image tokens in its tokenizer (``tiny-vl-v1``): image rows.
+``tiny_specialists_dir()`` makes (the same way, once) a random specialists folder for the text model: three routes
+(the trunk and two PEFT LoRA adapters written by peft's own ``save_pretrained``), router at layer 2.
+
+``python -m statecache.tiny`` prints the model's folder (``--vision``: the multimodal one);
+``python -m statecache.tiny specialists`` the specialists'.
 """
 
 from __future__ import annotations
@@ -18,6 +24,12 @@ from pathlib import Path
 from .checkpoints import make_checkpoint
 
 NAME = "tiny-v1"
+VL_NAME = "tiny-vl-v1"
+IMAGE_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]  # as in the released Qwen3.5 tokenizers
+# the tiny vision tower: 2-pixel patches merged 2x2, so an image of up to 32x32 pixels is at most 64 tokens
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2, temporal_patch_size=2,
+              spatial_merge_size=2, num_position_embeddings=16)
+VL_MAX_PIXELS, VL_MIN_PIXELS = 32 * 32, 8 * 8
 SEED = 0
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 512
@@ -39,6 +51,19 @@ CHAT_TEMPLATE = (
     "{%- else -%}{%- set text = m.content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}"
     "{%- endif -%}"
     "{{- '<|im_start|>' + m.role + '\\n' + text + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+# The same with images: an image item renders as Qwen's <|vision_start|><|image_pad|><|vision_end|>.
+VL_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' -}}"
+    "{%- if m.content is string -%}{{- m.content -}}"
+    "{%- else -%}{%- for c in m.content -%}"
+    "{%- if c.type == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif c.type == 'text' -%}{{- c.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
@@ -86,9 +111,10 @@ def statecache_home() -> Path:
     return Path(env_home() or Path.home() / ".cache" / "statecache")
 
 
-def build_tokenizer():
+def build_tokenizer(vision: bool = False):
     """A byte-level BPE tokenizer (``PreTrainedTokenizerFast``) learnt from ``TRAINING_TEXT``: every byte is a
-    token, so each letter A-Z is a single token; ChatML special tokens and chat template as Qwen's."""
+    token, so each letter A-Z is a single token; ChatML special tokens and chat template as Qwen's. vision: also
+    the image tokens (``IMAGE_TOKENS``) and a chat template that renders image items."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,11 +122,12 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    specials = SPECIAL_TOKENS + (IMAGE_TOKENS if vision else [])
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   extra_special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE,
+                                   extra_special_tokens=specials, chat_template=VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE,
                                    model_max_length=SHAPE["max_position_embeddings"])
 
 
@@ -111,21 +138,55 @@ def _build(out_dir: Path) -> None:
                     eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), **SHAPE)
 
 
+def _build_vl(out_dir: Path) -> None:
+    tokenizer = build_tokenizer(vision=True)
+    tokenizer.save_pretrained(out_dir)
+    start, pad, end = tokenizer.convert_tokens_to_ids(IMAGE_TOKENS)
+    make_checkpoint(out_dir, layout="conditional", seed=SEED, vocab_size=len(tokenizer),
+                    eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), vision_config=VISION,
+                    image_tokens=dict(image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end),
+                    max_pixels=VL_MAX_PIXELS, min_pixels=VL_MIN_PIXELS, **SHAPE)
+
+
+def _build_specialists(out_dir: Path) -> None:
+    from .specialists.make import make_specialists
+
+    # alpha: every projection of layers 3-7; beta: a few projections of layers 4, 5 and 7, ranks and alphas varied
+    beta = dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "in_proj_z", "out_proj", "gate_proj", "down_proj"],
+                layers_to_transform=[4, 5, 7], rank_pattern={"gate_proj": 3}, alpha_pattern={"down_proj": 2})
+    make_specialists(tiny_model_dir(), out_dir, routes=("trunk", "alpha", "beta"), router_layer=2,
+                     adapters={"beta": beta}, seed=SEED)
+
+
 def tiny_model_dir(home: str | Path | None = None) -> Path:
     """The tiny model's folder under `home` (default: `statecache_home()`), made on first use (atomically; safe
     when processes race)."""
+    return _made(NAME, "config.json", _build, home)
+
+
+def tiny_vl_model_dir() -> Path:
+    """The tiny model with a vision tower (conditional layout), made on first use like tiny_model_dir."""
+    return _made(VL_NAME, "config.json", _build_vl)
+
+
+def tiny_specialists_dir() -> Path:
+    """A random specialists folder for the tiny model (3 routes), made on first use like the model."""
+    return _made(NAME + "-specialists", "router.json", _build_specialists)
+
+
+def _made(name: str, marker: str, build, home: str | Path | None = None) -> Path:
     home = Path(home) if home else statecache_home()
-    final = home / NAME
-    if (final / "config.json").is_file():
+    final = home / name
+    if (final / marker).is_file():
         return final
     home.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.", dir=home))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=home))
     try:
-        _build(tmp)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # someone else renamed theirs into place first
-            if not (final / "config.json").is_file():
+            if not (final / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -133,4 +194,8 @@ def tiny_model_dir(home: str | Path | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    print(tiny_model_dir())
+    import sys
+
+    args = sys.argv[1:]
+    print(tiny_specialists_dir() if args == ["specialists"] else tiny_vl_model_dir() if "--vision" in args
+          else tiny_model_dir())

@@ -13,14 +13,15 @@ class GatedEngine:
     """A real engine behind a gate: while `gate` is clear, `answer` waits, so rows pile up in the worker
     (an artificial backlog); `delay_s` more per call keeps rows in flight for a while; a call with a row for
     which `fail_when(row)` is true raises (an engine failure). Records `(rows, waiting_rows)` per call and the
-    threads that called; everything else is the inner engine's."""
+    threads that called; `between` (the GPU thread's chunked-prefill callback) and everything else is the
+    inner engine's."""
 
     def __init__(self, inner, delay_s: float = 0.0, fail_when=None):
         self.__dict__.update(inner=inner, gate=threading.Event(), calls=[], entered=0, delay_s=delay_s,
                              fail_when=fail_when, threads=set())
         self.gate.set()
 
-    def answer(self, rows: list, waiting_rows: int = 0) -> list[dict]:
+    def answer(self, rows: list, waiting_rows: int = 0, *, between=None) -> list[dict]:
         self.__dict__["entered"] += 1
         self.threads.add(threading.current_thread().name)
         self.gate.wait()
@@ -28,7 +29,7 @@ class GatedEngine:
         time.sleep(self.delay_s)
         if self.fail_when is not None and any(self.fail_when(r) for r in rows):
             raise RuntimeError("engine failure (test)")
-        return self.inner.answer(rows, waiting_rows=waiting_rows)
+        return self.inner.answer(rows, waiting_rows=waiting_rows, between=between)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

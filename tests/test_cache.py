@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -263,17 +264,65 @@ def test_long_states_split_at_the_largest_chunk(pad):
     assert sorted(c.pos for c in cache.index.lru_order()).count(512) == 2
 
 
+def _plant_packed(cache, rows, planting):
+    """One packed forward (statecache.plain) of rows [(ids, state_len, slots, nopts)]; those in `planting` leave
+    their checkpoints, which are planted. -> the forward's answers."""
+    plans = [cache.plan(r[1]) if k in planting else None for k, r in enumerate(rows)]
+    outs, planted = plain_path().run([(r[0], r[2], r[3]) for r in rows], plans)
+    outs = [probs for probs, _route in outs]
+    for k, (r, pl) in enumerate(zip(rows, planted)):
+        assert (pl is None) == (k not in planting)
+        if pl is not None:
+            cache.plant_planted(r[0], len(r[0]), pl.snaps(), pl.K, pl.V)
+    return outs
+
+
+@pytest.mark.parametrize("lone", [False, True], ids=["packed", "lone"])
+@pytest.mark.parametrize("stride,tail", [(128, 16), (192, 16), (0, 0), (64, 64)])
+def test_packed_forward_plants_what_the_chunked_path_plants(stride, tail, lone):
+    """The packed forward's checkpoints (positions, conv tails, fp32 S, K/V) equal the chunked cold row's, for
+    sequences of several lengths packed with one that plants nothing, or each row alone (its segments sliced,
+    the short ones through the one-chunk kernel); and its answers are the plain forward's."""
+    rows = [(toks(300, 91) + question(20, 1), 300, [319], [4]), (toks(40, 92), 40, [39], [3]),
+            (toks(450, 93) + question(7, 2), 450, [452, 456], [2, 5]), (toks(64, 94) + question(3, 3), 64, [66], [4])]
+    packed = make_cache(False, stride=stride, tail=tail)
+    if lone:
+        outs = [_plant_packed(packed, [r], {0} if k != 1 else set())[0] for k, r in enumerate(rows)]
+    else:
+        outs = _plant_packed(packed, rows, {0, 2, 3})
+    for r, got in zip(rows, outs):
+        assert_close(got, reference(r[0], r[2], r[3]))
+    for ids, state_len, slots, nopts in (rows[0], rows[2], rows[3]):
+        chunked = make_cache(False, stride=stride, tail=tail)
+        ask(chunked, ids, state_len, slots, nopts)
+        want = {c.pos: c for c in chunked.index.lru_order()}
+        got = {c.pos: c for c in packed.index.lru_order() if c.group.tokens == list(ids[: down(state_len)])}
+        assert sorted(got) == sorted(want) == chunked.plan(state_len)
+        for pos, c in got.items():
+            for name, x, y in zip(("conv", "S"), c.payload, want[pos].payload):
+                assert x.dtype == y.dtype and x.shape == y.shape, name
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-5, msg=f"{name} at {pos}")
+        (K, V, _), (K2, V2, _) = next(iter(got.values())).group.payload, want[pos].group.payload
+        torch.testing.assert_close(K, K2, rtol=0, atol=1e-5)
+        torch.testing.assert_close(V, V2, rtol=0, atol=1e-5)
+    assert packed.index.bytes == index_bytes_recount(packed)
+    assert packed.stats["cold"] == 3 and packed.stats["tokens_computed"] == len(rows[0][0]) + len(rows[2][0]) + 67
+
+
 @pytest.mark.parametrize("pad", PADS)
-def test_cold_ok_declines_new_states_only(pad):
+def test_rows_continue_from_packed_planted_states(pad):
+    """Hits, grown states and middle changes continue from what a packed forward planted, equal to the plain
+    forward; a state's byte estimate is what planting it costs."""
     cache = make_cache(pad)
-    cache.cold_ok = lambda: False  # someone is waiting
-    state = toks(300, 61)
-    assert cache.row(state + question(5, 1), 300, [304], [4]) is None
-    assert cache.stats["declined"] == 1 and len(cache.index) == 0
-    assert ask(cache, state + question(5, 1), 300, [304], [4], plant_anyway=True).path == "cold"
-    assert ask(cache, state + question(5, 2), 300, [304], [4]).path == "hit"  # something to reuse: not declined
-    grown = state + toks(100, 62)
-    assert ask(cache, grown + question(5, 3), 400, [404], [4]).path == "partial"
+    a, b = toks(300, 95), toks(500, 96)
+    _plant_packed(cache, [(a + question(9, 1), 300, [308], [4]), (b + question(9, 2), 500, [508], [4])], {0, 1})
+    assert cache.index.bytes == cache.state_bytes(300) + cache.state_bytes(500)
+    assert ask(cache, a + question(12, 3), 300, [311], [3]).path == "hit"
+    assert ask(cache, b + question(4, 4), 500, [503], [2]).reused == 448
+    assert ask(cache, a + toks(90, 97) + question(5, 5), 390, [394], [4]).reused == 256  # grown: p of the old state
+    mid = list(b)
+    mid[200] = (mid[200] + 1) % VOCAB
+    assert ask(cache, mid + question(6, 6), 500, [505], [4]).reused == 128  # changed at 200: restores the stride 128
 
 
 @pytest.mark.parametrize("pad", PADS)

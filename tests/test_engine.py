@@ -1,6 +1,6 @@
-"""The engine on the built-in tiny model (CPU, float32): memo, duplicates, grouping by state, the backlog rule,
-bad rows, text rows, statistics; and the `statecache score` command. Every answer is checked against the plain
-forward of the same row within 1e-4.
+"""The engine on the built-in tiny model (CPU, float32): memo, duplicates, grouping by state, planting from the
+packed forward under any backlog, the cold_ok policy, bad rows, text rows, statistics; and the `statecache score`
+command. Every answer is checked against the plain forward of the same row within 1e-4.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from statecache.cache import CacheSettings
 from statecache.engine import Engine
+from statecache.policy import ColdContext
 from statecache.text import encode_text_row
 from tests.cache_util import assert_close, one_thread
 
@@ -132,21 +133,59 @@ def test_a_new_state_shared_by_three_rows_is_planted_once(engine):
     check(eng, rows, res)
 
 
-def test_backed_up_singletons_go_plain_shared_states_are_planted(engine):
+def test_a_backlog_still_plants_and_later_rows_hit(engine):
     eng = engine()
     S, T, U = toks(300, 7), toks(320, 8), toks(280, 9)
-    res = eng.answer([row(S, 10, 1)], backed_up=True)
-    assert paths(res) == ["plain"]  # a new state, nobody else asking about it, a queue waiting: throughput first
-    assert eng.cache.stats["declined"] == 1 and len(eng.cache.index) == 0
-    rows = [row(T, 10, 2), row(T, 11, 3), row(U, 10, 4), row(T, 12, 5)]
-    res2 = eng.answer(rows, backed_up=True)
-    assert paths(res2) == ["cold", "hit", "plain", "hit"]  # T is shared by three rows: worth planting anyway
-    res3 = eng.answer([row(T, 13, 6), row(T + toks(100, 10), 5, 7)], backed_up=True)
-    assert paths(res3) == ["hit", "partial"]  # something to reuse: the cached path even under backlog
-    res4 = eng.answer([row(S, 14, 8)], backed_up=False)
-    assert paths(res4) == ["cold"]  # no backlog: a new singleton state is planted
-    check(eng, [row(S, 10, 1)] + rows + [row(T, 13, 6), row(T + toks(100, 10), 5, 7), row(S, 14, 8)],
-          res + res2 + res3 + res4)
+    runs = []
+    real = eng.plain.run
+    eng.plain.run = lambda rows, plans=None, **kw: runs.append(plans) or real(rows, plans, **kw)
+    res = eng.answer([row(S, 10, 1)], waiting_rows=10_000)
+    assert paths(res) == ["cold"] and len(eng.cache.index) == 2  # planted from the packed forward
+    assert len(runs) == 1 and runs[0] == [[192, 256]]  # stride 192 and p - tail (240 -> 192), p
+    rows = [row(T, 10, 2), row(T, 11, 3), row(U, 10, 4), row(T, 12, 5), row(S, 13, 6), row(toks(30, 11), 4, 7)]
+    res2 = eng.answer(rows, waiting_rows=10_000)
+    # one packed forward plants T and U and runs the short row; T's other rows and S's continue from saved states
+    assert paths(res2) == ["cold", "hit", "cold", "hit", "hit", "plain"]
+    assert len(runs) == 2 and [pl is not None for pl in runs[1]] == [True, True, False]
+    res3 = eng.answer([row(T + toks(100, 10), 5, 8), row(U, 9, 9)], backed_up=True)  # the old keyword: ignored
+    assert paths(res3) == ["partial", "hit"] and len(runs) == 2
+    assert eng.counts["declined"] == 0 and eng.counts["plain"] == 1
+    assert eng.stats()["cold"] == 3 and eng.stats()["hits"] == 4
+    check(eng, [row(S, 10, 1)] + rows + [row(T + toks(100, 10), 5, 8), row(U, 9, 9)], res + res2 + res3)
+
+
+def test_the_policy_is_asked_once_per_new_state(engine):
+    asked = []
+
+    def policy(ctx: ColdContext) -> bool:
+        asked.append(ctx)
+        return ctx.state_tokens != 320  # declines T
+
+    eng = engine(cold_ok=policy)
+    S, T = toks(300, 12), toks(320, 13)
+    rows = [row(S, 10, 1), row(T, 10, 2), row(S, 11, 3), row(T, 12, 4), row(S, 13, 5)]
+    res = eng.answer(rows, waiting_rows=7)
+    assert paths(res) == ["cold", "plain", "hit", "plain", "hit"]
+    assert [(c.state_tokens, c.sharing_rows, c.batch_rows, c.waiting_rows) for c in asked] == [(256, 3, 5, 7),
+                                                                                               (320, 2, 5, 7)]
+    assert asked[0].used_bytes == 0 and asked[0].budget_bytes == eng.cache.index.budget_bytes
+    assert eng.cache.index.bytes == asked[0].state_bytes  # the estimate is what planting S took
+    assert asked[1].used_bytes == 0  # asked before anything of this batch was planted
+    assert eng.counts["declined"] == 1 and eng.counts["plain"] == 2
+    assert all(c.group.tokens == S[:256] for c in eng.cache.index.lru_order())
+    res2 = eng.answer([row(S, 14, 6), row(T, 15, 7)])
+    assert paths(res2) == ["hit", "plain"] and len(asked) == 3  # S has a state: not asked again
+    check(eng, rows + [row(S, 14, 6), row(T, 15, 7)], res + res2)
+
+
+def test_the_default_policy_declines_a_state_the_budget_cannot_hold(engine):
+    eng = engine(settings=CacheSettings(min_prefix=64, stride=192, mb=1))
+    small, big = toks(200, 14), toks(700, 15)
+    assert eng.cache.state_bytes(200) <= 2**19 < eng.cache.state_bytes(700)  # half of 1 MiB: PlantWhenItFits
+    res = eng.answer([row(big, 10, 1), row(small, 10, 2), row(big, 11, 3)])
+    assert paths(res) == ["plain", "cold", "plain"]
+    assert eng.counts["declined"] == 1 and all(c.group.tokens == small[:192] for c in eng.cache.index.lru_order())
+    check(eng, [row(big, 10, 1), row(small, 10, 2), row(big, 11, 3)], res)
 
 
 def test_ineligible_rows_take_the_plain_path(engine):
@@ -192,7 +231,7 @@ def test_bad_rows_get_errors_and_the_rest_is_answered(engine):
 
 
 def test_a_failure_while_computing_fails_only_that_group(engine, monkeypatch):
-    eng = engine()
+    eng = engine(batch=0)  # rows one at a time through cache.row (a failing batched row: tests/test_batch.py)
     S, T = toks(300, 22), toks(300, 23)
     real = eng.cache.row
 
@@ -202,10 +241,26 @@ def test_a_failure_while_computing_fails_only_that_group(engine, monkeypatch):
         return real(ids, state_len, *a, **kw)
 
     monkeypatch.setattr(eng.cache, "row", row_or_fail)
-    rows = [row(S, 10, 1), row(T, 10, 2), row(S, 11, 3), row(toks(20, 24), 5, 4)]
+    rows = [row(S, 10, 1), row(T, 10, 2), row(S, 11, 3), row(toks(20, 24), 5, 4), row(T, 11, 5)]
     res = eng.answer(rows)
-    assert paths(res) == ["error", "cold", "error", "plain"]
-    assert res[0]["error"]["code"] == "internal" and "boom" in res[0]["error"]["message"]
+    assert paths(res) == ["cold", "cold", "error", "plain", "hit"]  # S's first row planted in the packed forward
+    assert res[2]["error"]["code"] == "internal" and "boom" in res[2]["error"]["message"]
+    check(eng, rows, res)
+
+
+def test_a_failing_packed_forward_fails_its_rows_and_the_rest_goes_on(engine, monkeypatch):
+    eng = engine()
+    S = toks(300, 25)
+
+    def fail(rows, plans=None, **kw):
+        raise RuntimeError("packed boom")
+
+    monkeypatch.setattr(eng.plain, "run", fail)
+    rows = [row(S, 10, 1), row(toks(20, 26), 5, 2), row(S, 11, 3)]
+    res = eng.answer(rows)
+    assert paths(res) == ["error", "error", "cold"]  # nothing planted: S's next row is cold on the cached path
+    assert "packed boom" in res[0]["error"]["message"]
+    monkeypatch.undo()
     check(eng, rows, res)
 
 
@@ -277,3 +332,119 @@ def test_score_cli_answers_json_lines_in_order(monkeypatch, capsys):
     check(eng, [rows[0], rows[3]], [res[0], res[3]])
     stats = json.loads(err.strip().splitlines()[-1].removeprefix("statecache: "))
     assert stats["rows"] == 3 and stats["errors"] == 1 and stats["hits"] == 1 and stats["cold"] == 1
+
+
+def test_score_cli_precapture_flag_and_budget_line(monkeypatch, capsys):
+    from statecache import cli
+
+    seen = {}
+
+    class Spy(Engine):
+        def __init__(self, *a, **kw):
+            seen["precapture"] = kw.get("precapture")
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr("statecache.engine.Engine", Spy)  # the CLI imports Engine when it runs
+    for argv, want in ((["score", "--device", "cpu"], True), (["score", "--device", "cpu", "--no-precapture"], False)):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(row(toks(300, 41), 10, 1)) + "\n"))
+        assert cli.main(argv) == 0
+        out, err = capsys.readouterr()
+        assert seen["precapture"] is want and json.loads(out)["path"] == "cold"
+        assert "state cache budget 1024 MiB" in err and "cpu default" in err
+
+
+def test_rows_of_saved_states_run_batched(engine):
+    """A drained batch: rows of states with checkpoints (hits, a grown state) run as one batched call; a new state's
+    first row plants alone and the rows behind it run in a second call; STATECACHE_BATCH=0's engine answers alike."""
+    eng = engine()
+    a, b, c = toks(300, 21), toks(200, 22), toks(260, 23)
+    check(eng, [row(a, 5, 1), row(b, 5, 2)], eng.answer([row(a, 5, 1), row(b, 5, 2)]))
+    forwards = eng.cache.batch.stats["forwards"]
+    grown = b + toks(70, 5)  # p 256 from b's 192
+    rows = [row(a, 9, 3), row(c, 7, 4), row(grown, 6, 5), row(c, 12, 6), row(a, 20, 7, (3, 5)), row(c, 4, 8),
+            row(grown, 11, 9)]
+    res = eng.answer(rows)
+    check(eng, rows, res)
+    assert paths(res) == ["hit", "cold", "partial", "hit", "hit", "hit", "hit"]  # the grown state planted once
+    assert eng.cache.stats["batched"] == 6
+    # first call: the grown state's planting piece, then the questions; second call: the rows behind c and grown
+    assert eng.cache.batch.stats["forwards"] - forwards == 3
+    solo = engine(batch=0)
+    assert solo.cache.batch is None
+    check(solo, rows, solo.answer(rows))
+
+
+def test_hits_answered_between_the_chunks_of_a_new_state(engine):
+    """Chunked prefill: while a new state's long forward runs, `between` answers rows of saved states that arrived
+    meanwhile (answer_ready); a row that needs a long forward of its own is left for later (None)."""
+    eng = engine(settings=CacheSettings(min_prefix=64, stride=128))
+    a = toks(300, 31)
+    eng.answer([row(a, 5, 1)])
+    hit, new = row(a, 9, 2), row(toks(200, 33), 4, 3)
+    got = []
+
+    def between():
+        if not got:
+            got.extend(eng.answer_ready([hit, new, {"ids": [1]}]))
+
+    long_row = row(toks(700, 32), 6, 4)  # chunks end at 128, 256, ..., 640: `between` runs after each
+    res = eng.answer([long_row], waiting_rows=1, between=between)
+    check(eng, [long_row], res)
+    assert paths(res) == ["cold"]
+    assert got[0]["path"] == "hit" and got[1] is None and got[2]["error"]["code"]
+    check(eng, [hit], got[:1])
+
+
+def test_gpu_thread_answers_hits_between_chunks():
+    """The GPU thread hands `between` to the engine: a hit queued behind a long new state is answered inside
+    that batch, the rest of the queue stays for the next."""
+    import asyncio
+    import threading
+
+    from statecache.engine import Engine
+    from worker.gpu_thread import GpuThread
+
+    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128))
+    queued, busy, seen = threading.Event(), threading.Event(), threading.Event()
+
+    class Gated:  # the real engine; its batch's first `between` waits until a row has queued behind the batch,
+        def answer(self, rows, backed_up=False, between=None):  # the next ones until that row's answer arrived
+            calls = []
+
+            def gated():
+                busy.set()
+                (seen if calls else queued).wait(10)
+                calls.append(1)
+                between()
+            return eng.answer(rows, between=gated if between else None)
+
+        def answer_ready(self, rows):
+            return eng.answer_ready(rows)
+
+    a = toks(300, 41)
+    gpu = GpuThread(lambda: Gated())
+    gpu.start()
+
+    async def main():
+        queued.set()
+        seen.set()
+        await gpu.answer(row(a, 5, 1))  # plants a (its own `between` calls find nothing queued)
+        busy.clear()
+        seen.clear()
+        queued.clear()
+        long_task = asyncio.ensure_future(gpu.answer(row(toks(700, 42), 6, 2)))
+        while not busy.is_set():
+            await asyncio.sleep(0.005)
+        hit_task = asyncio.ensure_future(gpu.answer(row(a, 9, 3)))
+        while gpu.pending() == 0:
+            await asyncio.sleep(0.005)
+        queued.set()
+        hit = await hit_task
+        assert not long_task.done()  # answered while the long forward still runs
+        seen.set()
+        return hit, await long_task
+
+    hit, long_res = asyncio.run(main())
+    assert gpu.stop(5)
+    assert hit["path"] == "hit" and long_res["path"] == "cold"
+    assert gpu.counters["between_rows"] == 1 and gpu.counters["batches"] == 2

@@ -76,3 +76,60 @@ def test_graph_cached_rows_match_plain_bf16(kernels):
     want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows])
     for r, p in zip(got, want):
         assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 1e-2
+
+
+def test_graph_cached_image_rows_match_plain_bf16(kernels):
+    """Image rows on the tiny model with a vision tower: cold, hit (real CUDA graphs with the rotary shift) and a
+    grown state, against the packed eager plain path; the tower runs once."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+    from statecache.tiny import tiny_vl_model_dir
+
+    eng = Engine(tiny_vl_model_dir(), device="cuda", dtype="bfloat16", settings=CacheSettings(min_prefix=64, stride=128),
+                 compile=False)
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(buf, "PNG")
+    state = "the agent reads the page. " * 12 + "<|image|>" + " and then the form below it." * 12
+    qs = [{"text": f"question {k}?", "options": ["a", "b", "c", "d"]} for k in range(3)]
+    rows = [{"state": state, "questions": [qs[0]], "images": [buf.getvalue()]},
+            {"state": state, "questions": [qs[1]], "images": [buf.getvalue()]},
+            {"state": state + " one more step." * 30, "questions": [qs[2]], "images": [buf.getvalue()]}]
+    got = [eng.answer([r])[0] for r in rows]
+    assert [r["path"] for r in got] == ["cold", "hit", "partial"], got
+    assert eng.embeddings.stats["vision_runs"] == 1
+    plain = Engine(tiny_vl_model_dir(), device="cuda", dtype="bfloat16", settings=CacheSettings(mb=0), compile=False)
+    want = plain.answer(rows)
+    for r, p in zip(got, want):
+        assert p["path"] == "plain"
+        assert max(abs(a - b) for a, b in zip(r["probs"][0], p["probs"][0])) < 1e-2
+
+
+def test_specialists_graph_rows_match_plain(kernels):
+    """The tiny model with its 3-route specialists on CUDA, float32: cached rows (one chunk graph per shape for
+    every route, mispredictions forced through the guess) answer and route as the plain path's packed forward
+    (fla's kernels may compute in TF32: a looser tolerance than the CPU tests' 1e-4)."""
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+    from statecache.tiny import tiny_specialists_dir
+
+    eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128), compile=False,
+                 specialists=tiny_specialists_dir())
+    assert eng.runner.use_graphs
+    g = torch.Generator().manual_seed(0)
+    state = torch.randint(0, eng.vocab_size, (300,), generator=g).tolist()
+    rows = [{"ids": state + torch.randint(0, eng.vocab_size, (20,), generator=g).tolist(), "state_len": 300,
+             "slots": [319], "nopts": [4]} for _ in range(6)]
+    wrong = iter([2, 0, 1, 2, 0, 1])
+    own = eng.cache.guess
+    eng.cache.guess = lambda best: next(wrong) if best is not None else own(best)
+    got = eng.answer(rows)
+    want = eng.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r in rows])
+    for r, (p, route) in zip(got, want):
+        assert r["route"] == eng.specialists.names[route]
+        assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3
+    assert eng.cache.stats["mispredict"] >= 1

@@ -8,8 +8,9 @@ nopts letters:
 1. the plain packed path (several rows of different lengths in one cu_seqlens forward);
 2. the chunked continuation from a reset state, chunks of their real lengths (pad=False);
 3. the same with chunk lengths bucketed and padding masked (pad=True), chunk boundaries off multiples of 64.
-Also: a conditional checkpoint whose two tie_word_embeddings flags disagree is read as transformers reads it (by the
-top-level one), and the delta rule itself against transformers' chunked and recurrent torch implementations (1e-5).
+Also: rows continuing from checkpoints a packed forward planted (statecache.plant); a conditional checkpoint whose
+two tie_word_embeddings flags disagree is read as transformers reads it (by the top-level one); and the delta rule
+itself against transformers' chunked and recurrent torch implementations (1e-5).
 """
 
 from __future__ import annotations
@@ -293,3 +294,33 @@ def test_grouped_span_attention_matches_reference(L, P, start, Hq, Hkv):
     got = attend_grouped(q, k, v, st, 32**-0.5)
     assert got.shape == ref.shape
     assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_rows_continue_from_packed_planted_states_match_transformers(case):
+    """A packed forward of two new states (and a row that plants nothing) leaves their checkpoints; rows continuing
+    from them (the same state, a grown one, one changed in the middle) answer as transformers does."""
+    from statecache.cache import CacheSettings, StateCache
+
+    vocab = case.model.cfg.vocab_size
+    runner = ChunkRunner(case.model, TorchKernels(), max_pos=512, span_step=64, pad=False)
+    cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128, tail=16, align=64))
+    a, b = random_ids(200, 31, vocab), random_ids(330, 32, vocab)
+    first = [(a + random_ids(9, 33, vocab), 200), (random_ids(50, 34, vocab), None),
+             (b + random_ids(5, 35, vocab), 330)]
+    rows = [(ids, [len(ids) - 1], [5]) for ids, _ in first]
+    outs, planted = PlainPath(case.model, TorchKernels()).run(rows, [cache.plan(s) if s else None for _, s in first])
+    outs = [probs for probs, _route in outs]
+    for (ids, slots, nopts), got, (_, s), pl in zip(rows, outs, first, planted):
+        assert max_abs_diff(got, case.ref.answers(ids, slots, nopts)) < TOL
+        if s is not None:
+            cache.plant_planted(ids, len(ids), pl.snaps(), pl.K, pl.V)
+    mid = list(b)
+    mid[150] = (mid[150] + 1) % vocab
+    later = [(a + random_ids(12, 36, vocab), 200, "hit", 192), (a + random_ids(76, 37, vocab), 270, "partial", 192),
+             (mid + random_ids(4, 38, vocab), 330, "partial", 128), (b + random_ids(20, 39, vocab), 330, "hit", 320)]
+    for ids, state_len, path, reused in later:
+        slots, nopts = [state_len, len(ids) - 1], [3, 7]
+        ans = cache.row(ids, state_len, slots, nopts)
+        assert (ans.path, ans.reused) == (path, reused)
+        d = max_abs_diff(ans.probs, case.ref.answers(ids, slots, nopts))
+        assert d < TOL, f"{case.name}: {path} from a packed planted state: max |diff| {d:.2e}"

@@ -92,16 +92,19 @@ def test_engine_is_built_from_the_settings():
     from statecache.engine import Engine
     from statecache.policy import PlantWhenItFits
 
-    s = Settings(cache_mb=3, cache_stride=1024, cache_max_slots=2, max_row_tokens=999, backlog_rows=5,
+    s = Settings(cache_mb=3, cache_stride=1024, cache_max_slots=2, max_row_tokens=999, batch=4,
                  cold_ok="statecache.policy:PlantWhenItFits", cache_fraction=0.5)
     e = Engine.from_settings(s)
-    assert (e.cache.s.mb, e.cache.s.stride, e.cache.s.max_slots, e.max_row_tokens, e.backlog_rows) == (3, 1024, 2, 999, 5)
+    assert (e.cache.s.mb, e.cache.s.stride, e.cache.s.max_slots, e.max_row_tokens) == (3, 1024, 2, 999)
+    assert e.budget.mb == 3 and e.cache.batch.max_batch == 4
     assert isinstance(e.cold_ok, PlantWhenItFits) and e.cache_fraction == 0.5
+    unset = Engine.from_settings(Settings(batch=0, cache_stride=1024))  # no CACHE_MB: the budget is the device's
+    assert unset.cache.batch is None and unset.cache.s.stride == 1024 and unset.budget.mb == Engine().budget.mb
 
 
 def test_every_row_error_code_is_in_the_protocol():
     codes = set()
-    for name in ("rows.py", "text.py"):
+    for name in ("rows.py", "text.py", "images.py"):
         codes |= set(re.findall(r'RowError\("([a-z_]+)"', (ROOT / "statecache" / name).read_text()))
     assert codes and codes <= set(protocol.ERROR_CODES)
 

@@ -24,7 +24,9 @@ FAMILIES = [
     "statecache:cache_evictions", "statecache:graph_captures", "statecache:graph_capture_seconds",
     "statecache:queue_waiting_rows", "statecache:batch_size_rows", "statecache:row_latency_seconds",
     "statecache:queue_time_seconds", "statecache:engine_time_seconds", "statecache:cache_inert",
-    "statecache:worker_ready", "statecache:redis_up",
+    "statecache:worker_ready", "statecache:redis_up", "statecache:cache_budget_states_4k",
+    "statecache:engine_load_seconds", "statecache:precapture_seconds", "statecache:batched_forwards",
+    "statecache:batched_sequences",
 ]
 
 

@@ -121,6 +121,29 @@ def test_followers_of_a_new_state_are_hits(live):
     assert all(h["reused"] > 0 and h["computed"] < cold[0]["computed"] for h in hits)
 
 
+def test_backlog_still_plants_every_new_state(redis_url, queue_name):
+    with InProcessWorker(redis_url, queue_name, lambda: GatedEngine(Engine())) as w:
+        rows = [
+            {"state": state("eve"), "questions": [Q[0]]},
+            {"state": state("fay"), "questions": [Q[0]]},
+            {"state": state("gus"), "questions": [Q[0]]},
+            {"state": state("gus"), "questions": [Q[1]]},
+        ]
+
+        async def main():
+            async with await client_of(w) as client:
+                under_load = await held_batch(client, w, rows)
+                w.engine.calls.clear()
+                alone = await client.answer({"state": state("hal"), "questions": [Q[0]]})
+                return under_load, alone
+
+        under_load, alone = run(main())
+        assert w.engine.calls == [(1, 0)]
+    paths = [r["path"] for r in under_load]
+    assert paths[:2] == ["cold", "cold"] and sorted(paths[2:]) == ["cold", "hit"], paths  # every forward plants
+    assert alone["path"] == "cold"
+
+
 BAD_ROWS = [
     ([1, 2, 3], "bad_row"),
     ("ids", "bad_row"),

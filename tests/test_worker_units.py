@@ -88,10 +88,11 @@ def test_waiting_rows_reach_the_engine(engine):
         gated.gate.set()
         return await asyncio.gather(*tasks)
 
-    run(main())
+    results = run(main())
     gpu.stop(5)
     # the first batch saw 4 rows queued behind it (when it asked, after the gate) or none; the second none
     assert gated.calls[-1] == (4, 10) and seen[-1] == 0
+    assert [r["path"] for r in results[1:]] == ["cold"] * 4  # a backlog does not send new states plain
 
 
 def test_engine_exception_costs_only_the_bad_row(engine, caplog):
@@ -253,6 +254,17 @@ def test_metrics_read_engine_stats_defensively():
     f = engine_figures({"cache": {"bytes": 10, "mb": 1, "evicted": 2, "captures": 3, "capture_s": 1.5, "rows": 4},
                         "plain_graphs": {"captures": 1, "capture_s": 0.5}, "new_key": object()})
     assert f["cache_budget_bytes"] == 2**20 and f["graph_captures"] == 4 and f["graph_capture_seconds"] == 2.0
+    assert f["device_memory_bytes"] == {} and f["batched_forwards"] == 0
+    # the engine's budget, batched-continuation graphs, precapture and device memory (statecache.engine.stats)
+    f = engine_figures({"cache": {"mb": 1, "captures": 3, "capture_s": 1.5, "batch": {"captures": 2, "capture_s": 1.0,
+                                                                                     "forwards": 5, "sequences": 9}},
+                        "budget": {"mb": 3, "states_4k": 2.5}, "load_s": 4.0,
+                        "precapture": {"graphs": 3, "seconds": 1.5, "batch": {"graphs": 2, "seconds": 1.0}},
+                        "device_memory_mb": {"allocated": 2.0, "total": 8.0}})
+    assert f["cache_budget_bytes"] == 3 * 2**20 and f["cache_budget_states_4k"] == 2.5
+    assert (f["graph_captures"], f["graph_capture_seconds"], f["batched_forwards"], f["batched_sequences"]) == (5, 2.5, 5, 9)
+    assert f["engine_load_seconds"] == 4.0 and f["precapture_seconds"] == 2.5
+    assert f["device_memory_bytes"] == {"allocated": 2 * 2**20, "total": 8 * 2**20}
     m = WorkerMetrics(inert_rows=3)
     m.batch([{}], {"cache": {"mb": 1, "rows": 1, "cold": 1}})
     assert m.inert._value.get() == 0

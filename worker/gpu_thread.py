@@ -8,7 +8,10 @@ then it loops: take everything that is ready (up to `max_batch_rows`), call
 the ready jobs in Redis nobody took plus the rows queued here), and resolve each ticket from the thread with
 `loop.call_soon_threadsafe`. Grouping by shared state, the memo and the paths are the engine's business;
 handing it the whole drained batch at once is this thread's. After each batch, `on_batch` gets the rows'
-results and timings and a snapshot of `engine.stats()` (for the metrics).
+results and timings and a snapshot of `engine.stats()` (for the metrics). While a batch runs a long forward,
+an engine that takes a `between` callback calls it between its chunks; rows that arrived meanwhile and can be
+answered at once (`engine.answer_ready`: memo answers, continuations of saved states) are answered then (they
+reach the model and resolve there), the rest stay queued for the next batch (chunked prefill).
 
 The worker never dies of a row: if the engine raises on a batch, the rows are retried one at a time and a
 row that still raises gets an `internal` error result. Rows whose job was cancelled or withdrawn meanwhile
@@ -20,6 +23,7 @@ Knows the engine contract (`answer`, `stats`) and asyncio futures; does not know
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -93,7 +97,7 @@ class GpuThread:
         self.engine: Any = None
         self.engine_stats: dict = {}  # the last engine.stats() snapshot (taken on this thread after each batch)
         self.busy = False  # a batch is running
-        self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "engine_errors": 0, "busy_s": 0.0}
+        self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "engine_errors": 0, "busy_s": 0.0, "between_rows": 0}
 
     # --- event-loop side ---------------------------------------------------------------------------------
 
@@ -238,10 +242,65 @@ class GpuThread:
             _settle(t.loop, t.result, result)
 
     def _call(self, rows: list, waiting: int) -> list[dict]:
-        results = list(self.engine.answer(rows, waiting_rows=waiting))
+        if self._chunked():  # chunked prefill: rows of saved states that arrive meanwhile go between chunks
+            results = list(self.engine.answer(rows, waiting_rows=waiting, between=self._between))
+        else:
+            results = list(self.engine.answer(rows, waiting_rows=waiting))
         if len(results) != len(rows):
             raise RuntimeError(f"engine returned {len(results)} results for {len(rows)} rows")
         return results
+
+    def _chunked(self) -> bool:
+        """Does the engine take a `between` callback and answer rows between chunks (`answer_ready`)?"""
+        if not hasattr(self, "_chunked_ok"):
+            try:
+                takes = "between" in inspect.signature(self.engine.answer).parameters
+            except (TypeError, ValueError):
+                takes = False
+            self._chunked_ok = takes and callable(getattr(self.engine, "answer_ready", None))
+        return self._chunked_ok
+
+    def _between(self) -> None:
+        """Called by the engine between the chunks of a long forward: the rows that arrived meanwhile and can be
+        answered at once (`engine.answer_ready`: memo, batched continuations of saved states) reach the model and
+        are resolved now; the others go back to the front of the queue, in order, for the next batch (still
+        withdrawable by the intake)."""
+        with self._cv:
+            if not self._items or self._stopping:
+                return
+            taken = [t for t in self._items if t.kind == "row" and not t.dead()][: self._max_batch_rows]
+            if not taken:
+                return
+            ids = {id(t) for t in taken}
+            self._items = deque(t for t in self._items if id(t) not in ids)
+        t0 = time.perf_counter()
+        try:
+            results = list(self.engine.answer_ready([t.payload for t in taken]))
+            if len(results) != len(taken):
+                raise RuntimeError(f"answer_ready returned {len(results)} results for {len(taken)} rows")
+        except Exception:  # noqa: BLE001 - they wait for the next batch instead
+            log.exception("answering rows between chunks failed")
+            results = [None] * len(taken)
+        engine_s = time.perf_counter() - t0
+        done = [(t, r) for t, r in zip(taken, results) if r is not None]
+        back = [t for t, r in zip(taken, results) if r is None]
+        if back:
+            with self._cv:
+                self._items.extendleft(reversed(back))
+        self.counters["between_rows"] += len(done)
+        if not done:
+            return
+        now = time.time()
+        for t, _ in done:
+            t.reached_at, t.engine_s = now, engine_s
+            _settle(t.loop, t.reached, True)
+        if self._on_batch is not None:
+            try:
+                self._on_batch([t for t, _ in done], [r for _, r in done], engine_s, self.engine_stats)
+            except Exception:  # noqa: BLE001
+                log.exception("the batch hook failed")
+        for t, result in done:
+            _settle(t.loop, t.result, result)
 
     def _answer(self, rows: list, waiting: int) -> list[dict]:
         try:

@@ -11,8 +11,12 @@ Per row, from the results the GPU thread hands back (so the counts equal the row
   statecache:queue_time_seconds               histogram: enqueue to the row reaching the model
   statecache:engine_time_seconds              histogram: the engine time of the batch the row was in
 From the last `engine.stats()` snapshot (read defensively: absent keys read as 0):
-  statecache:cache_used_bytes, statecache:cache_budget_bytes, statecache:cache_checkpoints,
-  statecache:cache_evictions_total, statecache:graph_captures_total, statecache:graph_capture_seconds_total
+  statecache:cache_used_bytes, statecache:cache_budget_bytes (the sized budget, statecache.budget),
+  statecache:cache_budget_states_4k, statecache:cache_checkpoints, statecache:cache_evictions_total,
+  statecache:graph_captures_total, statecache:graph_capture_seconds_total (chunk, batched and plain graphs;
+  precapture included), statecache:batched_forwards_total, statecache:batched_sequences_total (batched
+  continuations, statecache.batch), statecache:engine_load_seconds (weights), statecache:precapture_seconds,
+  statecache:device_memory_bytes{kind} (allocated, reserved, peak_allocated, free, total; CUDA only)
 From the worker:
   statecache:queue_waiting_rows               ready jobs in Redis nobody took + rows queued for the GPU thread
   statecache:worker_ready                     1 once the engine is built (graphs captured) and jobs are taken
@@ -50,15 +54,24 @@ def _num(d: Any, *keys: str) -> float:
 
 def engine_figures(stats: dict) -> dict:
     """The figures the metrics and the demo read from `engine.stats()`."""
-    cache = stats.get("cache", {}) if isinstance(stats, dict) else {}
-    budget = _num(cache, "budget_bytes") or _num(cache, "mb") * 2**20
+    stats = stats if isinstance(stats, dict) else {}
+    cache = stats.get("cache", {})
+    budget = _num(stats, "budget", "mb") * 2**20 or _num(cache, "budget_bytes") or _num(cache, "mb") * 2**20
     return {
         "cache_used_bytes": _num(cache, "bytes"),
         "cache_budget_bytes": budget,
+        "cache_budget_states_4k": _num(stats, "budget", "states_4k"),
         "cache_checkpoints": _num(cache, "checkpoints"),
         "cache_evictions": _num(cache, "evicted"),
-        "graph_captures": _num(cache, "captures") + _num(stats, "plain_graphs", "captures"),
-        "graph_capture_seconds": _num(cache, "capture_s") + _num(stats, "plain_graphs", "capture_s"),
+        "graph_captures": sum(_num(d, "captures") for d in (cache, cache.get("batch"), stats.get("plain_graphs"))),
+        "graph_capture_seconds": sum(_num(d, "capture_s") for d in (cache, cache.get("batch"), stats.get("plain_graphs"))),
+        "batched_forwards": _num(cache, "batch", "forwards"),
+        "batched_sequences": _num(cache, "batch", "sequences"),
+        "engine_load_seconds": _num(stats, "load_s"),
+        "precapture_seconds": _num(stats, "precapture", "seconds") + _num(stats, "precapture", "batch", "seconds"),
+        "device_memory_bytes": {k: _num(stats, "device_memory_mb", k) * 2**20
+                                for k in ("allocated", "reserved", "peak_allocated", "free", "total")
+                                if isinstance(stats.get("device_memory_mb"), dict) and k in stats["device_memory_mb"]},
         # rows the cache was asked about, and of those the ones that planted or reused a state
         "cache_rows": _num(cache, "rows"),
         "cache_used_rows": _num(cache, "hits") + _num(cache, "partial") + _num(cache, "cold"),
@@ -73,12 +86,22 @@ class _EngineCollector:
         f = engine_figures(self._stats() or {})
         for name, doc in (("cache_used_bytes", "bytes the state cache holds"),
                           ("cache_budget_bytes", "the state cache's budget in bytes"),
-                          ("cache_checkpoints", "saved states the cache holds")):
+                          ("cache_budget_states_4k", "new 4k-token states the cache's budget holds"),
+                          ("cache_checkpoints", "saved states the cache holds"),
+                          ("engine_load_seconds", "seconds the engine took to load its weights"),
+                          ("precapture_seconds", "seconds the start-up capture of CUDA graphs took")):
             yield GaugeMetricFamily(f"statecache:{name}", doc, value=f[name])
         for name, key, doc in (("cache_evictions", "cache_evictions", "saved states evicted from the cache"),
                                ("graph_captures", "graph_captures", "CUDA graphs captured"),
-                               ("graph_capture_seconds", "graph_capture_seconds", "seconds spent capturing CUDA graphs")):
+                               ("graph_capture_seconds", "graph_capture_seconds", "seconds spent capturing CUDA graphs"),
+                               ("batched_forwards", "batched_forwards", "batched forwards of rows continuing saved states"),
+                               ("batched_sequences", "batched_sequences", "rows run in batched forwards")):
             yield CounterMetricFamily(f"statecache:{name}", doc, value=f[key])
+        if f["device_memory_bytes"]:
+            mem = GaugeMetricFamily("statecache:device_memory_bytes", "the device's memory, by kind", labels=["kind"])
+            for kind, value in f["device_memory_bytes"].items():
+                mem.add_metric([kind], value)
+            yield mem
 
     def describe(self):
         return []

@@ -1,0 +1,516 @@
+"""Batched continuations: the short chunks of many rows, each continuing from its own saved state, in one forward.
+
+A *piece* is one chunk [s, e) of one row, continuing from that row's state at s: its GDN states (float32) and conv
+tails, gathered into this module's batch slots (row b of a forward uses slot b), and its attention K/V of [0, s),
+which stay where the cache stores them (one tensor per group, [A, p, Hkv, D]) and are addressed per sequence: the
+eager kernels take the tensors, the Triton kernels element offsets of each group's layer relative to this module's
+chunk K/V buffer (so no group's K/V is copied per row). The pieces of a forward are packed back to back
+(cu_seqlens); rotary positions are s + i per sequence. Tokens past the last piece (a graph's padding) belong to no
+sequence: no kernel that mixes tokens reads or writes them.
+
+`BatchRunner.forward(pieces)` runs one packed forward (on CUDA one replay of the graph of its (batch-size, total-token,
+longest-piece) buckets, with every per-sequence number in the graph's input buffer; the same code eagerly elsewhere)
+and returns the answers at each piece's slots; after it, the batch slots hold each row's state at its piece's end
+and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `precapture` captures every bucket's graph
+at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
+
+`rows_batched` (behind statecache.cache.StateCache.rows_batched) turns cache rows into pieces: each row restores its
+deepest checkpoint; its remaining chunks (those ending at checkpoint positions, then the question) run as steps, one
+packed forward per step for every row still going (split at the largest batch; a failing forward is halved until
+the failing row stands alone, and only that row is given back as None). A row that plants gets its own K/V of
+[0, p) up front (the restored prefix, then each step's chunk), so its next step reads them like any group's. It
+knows checkpoints' payload layout (conv, S) and groups' (K, V, serial) as statecache.cache makes them; nothing of
+Redis, the memo or the engine's grouping.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .graphs import Staging, new_stats, try_capture
+from .runner import bucket
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch-size buckets (sequences per graph)
+TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # packed-token buckets
+PIECES = (64, 128)  # per-sequence token buckets: a 64-token piece is one delta-rule launch, 128 two
+MAX_PIECE = PIECES[-1]  # the most tokens one sequence of a batch may have (statecache.conv_triton.MAX_ROWS)
+
+
+@dataclass
+class Piece:
+    """One sequence of a batched forward: chunk [s, e) of `ids`, continuing from `conv`, `S` (its state at s) and
+    K/V of [0, s) in `K`, `V` ([A, >= s, Hkv, D], contiguous); answers at `slots` (absolute, in [s, e))."""
+
+    ids: object  # list of ints or int64 array (the whole row)
+    s: int
+    e: int
+    conv: torch.Tensor  # [G, W - 1, C]
+    S: torch.Tensor  # [G, Hv, Dk, Dv] float32
+    K: torch.Tensor | None  # None when s == 0
+    V: torch.Tensor | None
+    slots: tuple = ()
+    nopts: tuple = ()
+
+
+class NotBatched(Exception):
+    """A batch shape that cannot be run (too many sequences or tokens, a piece too long, a failed capture)."""
+
+
+@dataclass
+class BatchKV:
+    """Where each sequence's cached K/V of [0, start) live: `tensors` (eager kernels: (K, V) per real sequence) and
+    `off` [A, Bb, 2] int64 (Triton kernels: element offsets of a group's K[a] / V[a] relative to the chunk buffers'
+    `ref_k[a]` / `ref_v[a]`, which the kernel is handed as the chunk's own keys and values)."""
+
+    tensors: list
+    off: torch.Tensor
+    ref_k: torch.Tensor
+    ref_v: torch.Tensor
+
+
+class BatchState:
+    """The static buffers of a batched forward: per-slot GDN states and conv tails, the chunk's K/V."""
+
+    def __init__(self, cfg, max_batch: int, max_tokens: int, device, dtype):
+        G, A = len(cfg.linear_layers), len(cfg.full_layers)
+        W = cfg.linear_conv_kernel_dim
+        self.conv = torch.zeros(G, max_batch, W - 1, cfg.conv_dim, device=device, dtype=dtype)
+        self.S = torch.zeros(G, max_batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                             cfg.linear_value_head_dim, device=device, dtype=torch.float32)
+        self.K = torch.zeros(A, max_tokens, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+        self.V = torch.zeros_like(self.K)
+
+
+class BatchMixer:
+    """The stateful parts of a forward of Bb packed sequences (Tb tokens), each continuing from its slot."""
+
+    def __init__(self, bk, st: BatchState, Bb: int, Tb: int, lmax: int, pos, cu, starts, kv: BatchKV, lens=None):
+        self.bk, self.st, self.Bb, self.Tb, self.lmax = bk, st, Bb, Tb, lmax
+        self.pos, self.cu, self.starts, self.kv, self.lens = pos, cu, starts, kv, lens
+        self.live = torch.arange(Tb, device=pos.device) < cu[-1]  # [Tb]: tokens of some sequence
+
+    def conv(self, j, x, w):
+        return self.bk.conv(x, w, self.st.conv[j, : self.Bb], self.cu, self.lmax, self.lens)
+
+    def delta(self, j, q, k, v, g, beta):
+        return self.bk.delta(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, self.lmax, self.lens)
+
+    def attend(self, a, q, k, v, scale):
+        Kc, Vc = self.st.K[a, : self.Tb], self.st.V[a, : self.Tb]
+        Kc.copy_(k)
+        Vc.copy_(v)
+        return self.bk.attend(a, q, Kc, Vc, self.cu, self.starts, self.kv, self.lmax, scale, self.lens)
+
+
+class BatchKernels:
+    """The batched token mixing over a kernels object (statecache.kernels): Triton kernels (graph-safe: every
+    per-sequence number stays on the device) when `triton` and the shapes allow, else a loop over the sequences
+    with the one-sequence kernels (host lengths `lens`; eager only)."""
+
+    def __init__(self, kernels, triton: bool | None = None):
+        self.k = kernels
+        self.triton = getattr(kernels, "short_kernels", False) if triton is None else triton
+        self.max_keys = 8192  # the longest span a sequence may have (sizes the span kernel's splits)
+        self.span_kw: dict = {}  # launch knobs of span_triton.attend_batch (block sizes, splits)
+        if self.triton:
+            from . import conv_triton, gdn_triton, span_triton
+
+            self._conv, self._conv_max = conv_triton.conv_batch, conv_triton.MAX_ROWS
+            self._delta, self._span = gdn_triton.delta_batch, span_triton.attend_batch
+
+    # each: x / q, k, v packed [T, ...]; cu [Bb + 1] long (device); lens: host lengths (eager) or None (graphs)
+    def conv(self, x, w, tails, cu, lmax, lens):
+        if self.triton and lmax <= self._conv_max and x.stride(1) == 1:
+            return self._conv(x, w, tails, cu, lmax)
+        y = torch.zeros_like(x)
+        for b, (s, n) in enumerate(self._spans(lens)):
+            if n:
+                y[s : s + n] = self.k.conv_into(x[s : s + n], w, tails[b], torch.tensor(n, device=x.device))
+        return y
+
+    def delta(self, q, k, v, g, beta, S, cu, lmax, lens):
+        if self.triton:
+            return self._delta(q, k, v, g, beta, S, cu, lmax)
+        o = torch.zeros_like(v)
+        for b, (s, n) in enumerate(self._spans(lens)):
+            if n:
+                o[s : s + n] = self.k.delta_into(q[s : s + n], k[s : s + n], v[s : s + n], g[s : s + n],
+                                                 beta[s : s + n], S[b])
+        return o
+
+    def attend(self, a, q, k, v, cu, starts, kv: BatchKV, lmax, scale, lens):
+        if self.triton:
+            return self._span(q, k, v, cu, starts, kv.off[a], lmax, scale, max_keys=self.max_keys, **self.span_kw)
+        o = torch.zeros_like(q)
+        for b, (s, n) in enumerate(self._spans(lens)):
+            if not n:
+                continue
+            st = int(starts[b])
+            if st:
+                K, V = kv.tensors[b]
+                kk, vv = torch.cat([K[a, :st], k[s : s + n]]), torch.cat([V[a, :st], v[s : s + n]])
+            else:
+                kk, vv = k[s : s + n], v[s : s + n]
+            o[s : s + n] = self.k.attend_span(q[s : s + n], kk, vv, torch.tensor(st, device=q.device), scale)
+        return o
+
+    @staticmethod
+    def _spans(lens):
+        if lens is None:
+            raise NotBatched("the eager batched kernels need the host lengths (not graph-safe)")
+        s = 0
+        for n in lens:
+            yield s, n
+            s += n
+
+
+@dataclass
+class _Graph:
+    inp: torch.Tensor  # long [3 Tb + 2 Bb S + 2 Bb + 1 + 2 A Bb]: ids | pos | slots | nopts | cu | starts | kv offsets
+    ids: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor  # [Bb S] packed token index of each answer slot
+    nopts: torch.Tensor  # [Bb S]
+    cu: torch.Tensor  # [Bb + 1]
+    starts: torch.Tensor  # [Bb]
+    off: torch.Tensor  # [A, Bb, 2]
+    out: torch.Tensor | None = None  # [Bb S, n_letters]
+    graph: "torch.cuda.CUDAGraph | None" = None
+    staging: Staging | None = None
+
+
+class BatchRunner:
+    """Packed forwards of continuation pieces, from per-slot states (see the module docstring).
+
+    max_batch: sequences per forward (its slots are allocated up front: max_batch GDN states); max_tokens: packed
+    tokens per forward (default max_batch * max_piece); max_pos: the longest key span (sizes the span kernel's
+    splits); graphs: CUDA graphs (default on CUDA; they need the Triton kernels); pad: bucket the shapes (always with
+    graphs); pool: the graph memory pool to share; triton: the Triton batch kernels (default: where the kernels
+    object has statecache's short kernels, i.e. FlaKernels)."""
+
+    def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
+                 max_piece: int = MAX_PIECE, max_pos: int = 8192, graphs: bool | None = None, pad: bool | None = None,
+                 pool=None, triton: bool | None = None, batches=BATCHES, tokens=TOKENS):
+        self.model, self.device = model, model.device
+        self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
+        self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)
+        self.bk = BatchKernels(kernels, triton)
+        self.bk.max_keys = max_pos
+        if self.use_graphs and not self.bk.triton:
+            raise ValueError("batch graphs need the Triton batch kernels (the eager ones read host lengths)")
+        self.max_slots, self.max_piece = max_slots, max_piece
+        self.pieces = tuple(x for x in PIECES if x < max_piece) + (max_piece,)
+        self.batches = tuple(b for b in batches if b <= max_batch)
+        self.max_batch = self.batches[-1]
+        top = max_tokens or self.max_batch * max_piece
+        self.tokens = tuple(t for t in tokens if t <= top) or (top,)
+        self.max_tokens = self.tokens[-1]
+        self.st = BatchState(model.cfg, self.max_batch, self.max_tokens, self.device, model.dtype)
+        self.n_attn = len(model.cfg.full_layers)
+        self.graphs: dict[tuple[int, int], _Graph | None] = {}
+        self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
+        self.stats = new_stats()
+        self.stats.update(forwards=0, sequences=0)
+        self.failures: list[str] = []
+        self._out_host: torch.Tensor | None = None
+
+    # ---- shapes ---------------------------------------------------------------------------------------------------
+
+    def shape(self, B: int, T: int, L: int) -> tuple[int, int, int] | None:
+        """(batch bucket, token bucket, per-sequence bucket) of B sequences of T tokens in all, the longest L; None
+        when too many."""
+        if not self.pad:
+            return (B, T, L) if B <= self.max_batch and T <= self.max_tokens and L <= self.max_piece else None
+        Bb, Tb, Lb = bucket(B, self.batches), bucket(T, self.tokens), bucket(L, self.pieces)
+        return None if Bb is None or Tb is None or Lb is None else (Bb, Tb, Lb)
+
+    def keys(self) -> list[tuple[int, int, int]]:
+        """Every (batch, tokens, per-sequence) bucket a forward can take."""
+        out = []
+        for B in self.batches:
+            for T in self.tokens:
+                for L in self.pieces:
+                    if (L == self.pieces[0] or L <= T) and T <= max(bucket(B * L, self.tokens) or 0, self.tokens[0]):
+                        out.append((B, T, L))
+        return out
+
+    # ---- the forward ----------------------------------------------------------------------------------------------
+
+    def _views(self, inp: torch.Tensor, Bb: int, Tb: int) -> _Graph:
+        S, A = self.max_slots, self.n_attn
+        ids, pos, slots, nopts, cu, starts, off = torch.split(inp, [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb])
+        return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(A, Bb, 2))
+
+    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens) -> torch.Tensor:
+        kv = BatchKV(kv_tensors, g.off, self.st.K, self.st.V)
+        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens)
+        h = self.model.body(g.ids, g.pos, mix)  # [Tb, H]
+        return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [Bb S, n_letters]
+
+    def _pack(self, pieces: list[Piece], Bb: int, Tb: int) -> torch.Tensor:
+        """The host input buffer of these pieces (see _Graph.inp), filled through numpy (a few us a piece)."""
+        S, A = self.max_slots, self.n_attn
+        buf = np.zeros(2 * Tb + 2 * Bb * S + 2 * Bb + 1 + 2 * A * Bb, dtype=np.int64)
+        o_pos, o_slots = Tb, 2 * Tb
+        o_nopts = o_slots + Bb * S
+        o_cu = o_nopts + Bb * S
+        o_st = o_cu + Bb + 1
+        off = buf[o_st + Bb :].reshape(A, Bb, 2)
+        buf[o_nopts:o_cu] = 2
+        es = self.st.K.element_size()
+        k0, v0 = self.st.K.data_ptr(), self.st.V.data_ptr()
+        lk, lv = self.st.K.stride(0) * es, self.st.V.stride(0) * es  # bytes between layers of the chunk buffers
+        layers = np.arange(A, dtype=np.int64)
+        t = 0
+        for b, pc in enumerate(pieces):
+            n = pc.e - pc.s
+            buf[t : t + n] = pc.ids[pc.s : pc.e]
+            buf[o_pos + t : o_pos + t + n] = np.arange(pc.s, pc.e)
+            for j, (x, k) in enumerate(zip(pc.slots, pc.nopts)):
+                buf[o_slots + b * S + j], buf[o_nopts + b * S + j] = t + x - pc.s, k
+            buf[o_st + b] = pc.s
+            if pc.s:  # the group's layer a relative to the chunk buffer's layer a (same dtype, any address)
+                gk, gv = pc.K.stride(0) * es, pc.V.stride(0) * es
+                off[:, b, 0] = (pc.K.data_ptr() - k0 + layers * (gk - lk)) // es
+                off[:, b, 1] = (pc.V.data_ptr() - v0 + layers * (gv - lv)) // es
+            t += n
+            buf[o_cu + b + 1] = t
+        buf[o_cu + len(pieces) + 1 : o_st] = t
+        return torch.from_numpy(buf)
+
+    def _capture(self, Bb: int, Tb: int, Lb: int) -> _Graph | None:
+        inp = torch.zeros(2 * Tb + 2 * Bb * self.max_slots + 2 * Bb + 1 + 2 * self.n_attn * Bb, dtype=torch.long)
+        g = self._views(inp.to(self.device), Bb, Tb)  # all sequences empty: the warm-up runs touch no slot
+        got = try_capture(lambda: self._forward(g, Bb, Tb, Lb, [], None), self.pool, self.stats, self.failures,
+                          f"batch ({Bb}, {Tb}, {Lb})")
+        if got is None:
+            return None
+        g.graph, g.out = got
+        g.staging = Staging(g.inp)
+        return g
+
+    def ensure(self, B: int, T: int, L: int) -> tuple[int, int, int]:
+        """The shape of B sequences of T tokens (the longest L), its graph captured (graphs); NotBatched if there
+        is none."""
+        key = self.shape(B, T, L)
+        if key is None:
+            raise NotBatched(f"{B} sequences of {T} tokens (the longest {L}) exceed the largest batch shape")
+        if self.use_graphs:
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+            if self.graphs[key] is None:
+                raise NotBatched(f"batch graph {key} failed to capture")
+        return key
+
+    def load(self, pieces: list[Piece]) -> None:
+        """Gather each piece's conv tails and GDN states into batch slot b (call after `ensure`: capture overwrites)."""
+        for b, pc in enumerate(pieces):
+            self.st.conv[:, b].copy_(pc.conv)
+            self.st.S[:, b].copy_(pc.S)
+
+    def forward(self, pieces: list[Piece]) -> torch.Tensor:
+        """One packed forward of `pieces` from the states `load` put in their slots -> probabilities
+        [len(pieces), max_slots, n_letters] on the device (rows past a piece's slots are padding)."""
+        if not pieces:
+            raise ValueError("no pieces")
+        for pc in pieces:
+            if not 0 < pc.e - pc.s <= self.max_piece or len(pc.slots) > self.max_slots:
+                raise NotBatched(f"piece [{pc.s}, {pc.e}) with {len(pc.slots)} slots does not fit a batch")
+            if pc.s and not (pc.K.is_contiguous() and pc.V.is_contiguous() and pc.K.shape[1] >= pc.s):
+                raise NotBatched("a piece's K/V must be contiguous and hold [0, s)")
+        B, T, L = len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces)
+        Bb, Tb, Lb = self.ensure(B, T, L)
+        inp = self._pack(pieces, Bb, Tb)
+        self.stats["forwards"] += 1
+        self.stats["sequences"] += B
+        if not self.use_graphs:
+            g = self._views(inp.to(self.device), Bb, Tb)
+            with torch.no_grad():
+                out = self._forward(g, Bb, Tb, Lb, [(pc.K, pc.V) for pc in pieces], [pc.e - pc.s for pc in pieces]
+                                    + [0] * (Bb - B))
+        else:
+            g = self.graphs[(Bb, Tb, Lb)]
+            self._send(g, inp)
+            g.graph.replay()
+            out = g.out
+        return out.view(Bb, self.max_slots, -1)[:B]
+
+    @staticmethod
+    def _send(g: _Graph, inp: torch.Tensor) -> None:
+        """inp into the graph's device input buffer through its pinned staging copy (one asynchronous copy)."""
+        st = g.staging
+        if st.sent is None:  # a CPU stand-in graph (tests)
+            st.dev.copy_(inp)
+            return
+        st.sent.synchronize()
+        st.host.copy_(inp)
+        st.dev.copy_(st.host, non_blocking=True)
+        st.sent.record()
+
+    def chunk_kv(self, pieces: list[Piece], b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of piece b's chunk K/V ([A, e - s, Hkv, D]) after a forward (valid until the next one)."""
+        t = sum(pc.e - pc.s for pc in pieces[:b])
+        n = pieces[b].e - pieces[b].s
+        return self.st.K[:, t : t + n], self.st.V[:, t : t + n]
+
+    def read(self, out: torch.Tensor) -> torch.Tensor:
+        """A forward's probabilities on the host (float32), once the GPU is done."""
+        if out.device.type != "cuda":
+            return out.float()
+        host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return host
+
+    def precapture(self, progress=sys.stderr) -> dict:
+        """Capture every (batch, tokens) graph now, printing progress; returns the count and seconds spent."""
+        t0 = time.perf_counter()
+        keys = self.keys() if self.use_graphs else []
+        for n, key in enumerate(keys, 1):
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+            if progress is not None:
+                print(f"\rbatch precapture {n}/{len(keys)} graphs ({time.perf_counter() - t0:.1f} s)", end="",
+                      file=progress, flush=True)
+        if progress is not None and keys:
+            print(file=progress)
+        return {"graphs": sum(g is not None for g in self.graphs.values()),
+                "seconds": round(time.perf_counter() - t0, 2),
+                "failed": self.failures[:3]}
+
+
+# ---- rows of the state cache --------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Row:
+    i: int
+    ids: object
+    slots: list
+    nopts: list
+    p: int
+    best: object  # the restored Checkpoint
+    todo: list  # [(s, e, plant)] still to run; the last one is the question [p, n)
+    conv: torch.Tensor  # the state at the next piece's start
+    S: torch.Tensor
+    K: torch.Tensor
+    V: torch.Tensor
+    newK: torch.Tensor | None = None  # a planting row's K/V of [0, p) (the old group's prefix, then its chunks)
+    newV: torch.Tensor | None = None
+    snaps: list | None = None
+    probs: list | None = None
+
+
+def _plan(cache, i: int, ids, state_len: int, slots, nopts, max_piece: int) -> _Row | None:
+    """A row's pieces from its deepest checkpoint, or None (no checkpoint, a piece too long, not eligible)."""
+    if not cache.eligible(ids, state_len, slots) or len(slots) != len(nopts):
+        return None
+    s = cache.s
+    p, n = state_len - state_len % s.align, len(ids)
+    best = cache.index.lookup(ids, limit=p)
+    if best is None:
+        return None
+    ends = cache.plan(state_len, best.pos)
+    todo, a = [], best.pos
+    for e in ends:
+        todo.append((a, e, True))
+        a = e
+    todo.append((p, n, False))
+    if any(e - a > max_piece for a, e, _ in todo):
+        return None
+    conv, S = best.payload
+    K, V = best.group.payload[:2]
+    r = _Row(i, ids, list(slots), list(nopts), p, best, todo, conv, S, K, V)
+    if len(todo) > 1:  # it plants: its own K/V of [0, p), starting from the restored prefix
+        r.newK = K.new_empty((K.shape[0], p, *K.shape[2:]))
+        r.newV = V.new_empty((V.shape[0], p, *V.shape[2:]))
+        r.newK[:, : best.pos].copy_(K[:, : best.pos])
+        r.newV[:, : best.pos].copy_(V[:, : best.pos])
+        r.snaps = []
+    return r
+
+
+def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
+    """One forward of the rows' next pieces (halved on failure); returns the rows that failed."""
+    pieces = []
+    for r in rows:
+        s, e, plant = r.todo[0]
+        pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None,
+                            () if plant else tuple(r.slots), () if plant else tuple(r.nopts)))
+    try:
+        runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces))
+        runner.load(pieces)
+        out = runner.forward(pieces)
+        probs = runner.read(out) if any(not r.todo[0][2] for r in rows) else None  # waits for the GPU
+    except Exception as ex:  # noqa: BLE001 - isolate the failing row by halving
+        if len(rows) == 1:
+            log.warning("batched row failed: %s: %s", type(ex).__name__, str(ex)[:200])
+            return rows
+        h = len(rows) // 2
+        return _step(runner, rows[:h], log) + _step(runner, rows[h:], log)
+    for b, r in enumerate(rows):  # the forward went through: snapshots, chunk K/V and answers
+        s, e, plant = r.todo.pop(0)
+        if plant:
+            Kc, Vc = runner.chunk_kv(pieces, b)
+            r.newK[:, s:e].copy_(Kc)
+            r.newV[:, s:e].copy_(Vc)
+            r.conv, r.S = runner.st.conv[:, b].clone(), runner.st.S[:, b].clone()
+            r.K, r.V = r.newK, r.newV
+            r.snaps.append((e, r.conv, r.S))
+        else:
+            r.probs = [probs[b, j, :k].tolist() for j, k in enumerate(r.nopts)]
+    return []
+
+
+def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
+    """statecache.cache.StateCache.rows_batched: [(ids, state_len, slots, nopts)] -> [Answer | None]; None for a row
+    that has no checkpoint, whose remaining work does not fit a batch piece, or that failed (the caller runs those
+    one at a time)."""
+    from .cache import Answer
+
+    out: list = [None] * len(rows)
+    live: list[_Row] = []
+    for i, row in enumerate(rows):
+        try:
+            r = _plan(cache, i, *row, runner.max_piece)
+        except Exception as ex:  # noqa: BLE001 - a bad row is left to the caller
+            log.warning("row %d cannot be batched: %s: %s", i, type(ex).__name__, str(ex)[:200])
+            r = None
+        if r is not None:
+            live.append(r)
+    done: list[_Row] = []
+    while live:
+        groups, cur, tokens = [], [], 0
+        for r in live:
+            n = r.todo[0][1] - r.todo[0][0]
+            if cur and (len(cur) == runner.max_batch or tokens + n > runner.max_tokens):
+                groups.append(cur)
+                cur, tokens = [], 0
+            cur.append(r)
+            tokens += n
+        groups.append(cur)
+        failed = set()
+        for grp in groups:
+            failed.update(_step(runner, grp, log))
+        done += [r for r in live if r not in failed and not r.todo]
+        live = [r for r in live if r not in failed and r.todo]
+    for r in done:
+        c0, n = r.best.pos, len(r.ids)
+        path = "hit" if c0 == r.p else "partial"
+        st = cache.stats
+        st["rows"] += 1
+        st["batched"] = st.get("batched", 0) + 1
+        st["hits" if path == "hit" else path] += 1
+        st["tokens_reused"] += c0
+        st["tokens_computed"] += n - c0
+        cache.index.touch(r.best)
+        if r.snaps:  # a group of its own, its K/V those the batch wrote (trunk only: no feature sums)
+            cache._plant(r.ids, r.p, [(pos, conv, S, None) for pos, conv, S in r.snaps], 0, (r.newK, r.newV))
+        out[r.i] = Answer(r.probs, path, c0, n - c0)
+    cache.stats["evicted"] += len(cache.index.evict())
+    return out

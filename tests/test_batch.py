@@ -1,0 +1,246 @@
+"""Batched continuations (StateCache.rows_batched, statecache.batch) on the CPU in float32.
+
+Every batched answer equals the uncached (plain) forward within 1e-4, the one-at-a-time cached answer, and
+transformers' own; over random mixes of hits, grown states and new states with evictions between batches
+(hypothesis); a bad row fails alone; rows that cannot be batched come back as None; and the graph-mode bookkeeping
+(buckets, captures, a failed capture) with stand-in graphs replaying the Triton batch kernels in the interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from statecache.batch import BatchRunner
+from statecache.cache import CacheSettings, StateCache
+from statecache.kernels import TorchKernels
+from statecache.runner import ChunkRunner
+from tests.cache_util import (MAX_POS, VOCAB, assert_close, down, index_bytes_recount, make_cache, max_diff,
+                              one_thread, reference, small_model, toks)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model():
+    with one_thread():
+        small_model()
+        yield
+
+
+def batch_cache(pad=False, max_batch=8, **settings) -> StateCache:
+    cache = make_cache(pad, **settings)
+    cache.batch = BatchRunner(small_model(), TorchKernels(), max_batch=max_batch, pad=pad, max_pos=MAX_POS)
+    return cache
+
+
+def check(cache, rows, answers, tol=1e-4):
+    """Each answer (where not None) equals the plain forward; bookkeeping consistent, bytes within budget."""
+    for (ids, state_len, slots, nopts), a in zip(rows, answers):
+        if a is None:
+            continue
+        assert_close(a.probs, reference(ids, slots, nopts), tol)
+        for pr, k in zip(a.probs, nopts):
+            assert len(pr) == k and abs(sum(pr) - 1) < 1e-5
+        p = down(state_len)
+        assert a.reused + a.computed == len(ids) and a.reused % 64 == 0 and 0 < a.reused <= p
+        assert a.path == ("hit" if a.reused == p else "partial")
+    assert cache.index.bytes <= cache.index.budget_bytes
+    assert cache.index.bytes == index_bytes_recount(cache)
+
+
+def row(state, q, seed, nslots=1):
+    ids = state + toks(q, 5000 + seed)
+    n = len(ids)
+    slots = sorted({max(len(state), n - 1 - 3 * j) for j in range(nslots)})  # in the question
+    return ids, len(state), slots, [2 + (seed + j) % 20 for j in range(len(slots))]
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
+def test_hits_and_grown_states_in_one_batch(pad):
+    cache = batch_cache(pad)
+    states = [toks(300 + 7 * k, 40 + k) for k in range(4)]
+    for k, s in enumerate(states):
+        assert cache.row(*row(s, 9, k)).path == "cold"
+    grown = states[1] + toks(30, 50)  # p 320: restores 256, plants 320 in the batch
+    rows = [row(states[0], 20, 1, 2), row(states[2], 1, 2), row(grown, 12, 3), row(states[3], 64, 4, 3),
+            row(states[0], 80, 5)]  # 124 tokens from p: over one 64-token delta piece
+    made = cache.stats["ckpts_made"]
+    ans = cache.rows_batched(rows)
+    assert all(a is not None for a in ans)
+    check(cache, rows, ans)
+    assert [a.path for a in ans] == ["hit", "hit", "partial", "hit", "hit"]
+    assert cache.stats["ckpts_made"] == made + 1 and cache.stats["batched"] == 5
+    assert cache.batch.stats["forwards"] == 2  # the grown state's planting piece, then every question
+    # the grown state's checkpoint is there: its next question is a hit on 320, batched
+    again = cache.rows_batched([row(grown, 5, 6)])
+    assert again[0].path == "hit" and again[0].reused == 320
+    check(cache, [row(grown, 5, 6)], again)
+
+
+def test_batched_equals_one_at_a_time():
+    one, many = batch_cache(), batch_cache()
+    states = [toks(260 + 40 * k, 60 + k) for k in range(3)]
+    for k, s in enumerate(states):
+        one.row(*row(s, 5, k))
+        many.row(*row(s, 5, k))
+    rows = [row(states[k % 3], 10 + 13 * k, 10 + k, 1 + k % 3) for k in range(7)]
+    single = [one.row(*r) for r in rows]
+    batched = many.rows_batched(rows)
+    for a, b in zip(single, batched):
+        assert (a.path, a.reused, a.computed) == (b.path, b.reused, b.computed)
+        assert max_diff(a.probs, b.probs) < 1e-5
+
+
+def test_rows_that_cannot_batch_are_left_to_the_caller():
+    cache = batch_cache()
+    s = toks(300, 70)
+    cache.row(*row(s, 5, 0))
+    rows = [row(toks(300, 71), 5, 1),  # nothing saved for this state
+            row(s, 200, 2),  # a question longer than a batch piece
+            (row(s, 5, 3)[0], 300, [10], [4]),  # not eligible (slot inside the state)
+            row(s, 7, 4)]
+    ans = cache.rows_batched(rows)
+    assert ans[:3] == [None, None, None] and ans[3].path == "hit"
+    check(cache, rows, ans)
+    cache.batch = None
+    assert cache.rows_batched(rows) == [None] * 4
+
+
+def test_a_bad_row_fails_alone():
+    cache = batch_cache()
+    states = [toks(300, 80 + k) for k in range(3)]
+    for k, s in enumerate(states):
+        cache.row(*row(s, 5, k))
+    rows = [row(states[k % 3], 8 + k, 20 + k) for k in range(6)]
+    bad = list(rows[2])
+    bad[0] = bad[0][:-1] + [VOCAB + 3]  # a token past the vocabulary: its forward raises
+    rows[2] = tuple(bad)
+    ans = cache.rows_batched(rows)
+    assert ans[2] is None and all(a is not None for k, a in enumerate(ans) if k != 2)
+    check(cache, [r for k, r in enumerate(rows) if k != 2], [a for k, a in enumerate(ans) if k != 2])
+
+
+def test_more_rows_than_the_largest_batch():
+    cache = batch_cache(max_batch=2)
+    states = [toks(280, 90 + k) for k in range(3)]
+    for k, s in enumerate(states):
+        cache.row(*row(s, 5, k))
+    rows = [row(states[k % 3], 3 + k, 30 + k) for k in range(5)]
+    ans = cache.rows_batched(rows)
+    check(cache, rows, ans)
+    assert all(a is not None for a in ans) and cache.batch.stats["forwards"] == 3
+
+
+def test_matches_transformers(tmp_path):
+    """Batched hits and a grown state on checkpoints of tests.oracle_util (GQA, GVA, Dk != Dv, partial rotary)
+    against transformers' own model."""
+    from statecache.loader import load_weights
+    from statecache.model import Qwen35
+    from tests.oracle_util import LETTERS, Reference, build_checkpoint, load_reference, max_abs_diff, random_ids
+
+    for name in ("causal_untied_gqa2", "cond_untied_sharded"):
+        path = build_checkpoint(tmp_path / name, name, seed=3)
+        model = Qwen35(load_weights(path, LETTERS, "cpu", torch.float32))
+        ref = Reference(load_reference(path))
+        V = model.cfg.vocab_size
+        runner = ChunkRunner(model, TorchKernels(), max_pos=512, span_step=128)
+        cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128, tail=16))
+        cache.batch = BatchRunner(model, TorchKernels(), max_batch=4, max_pos=512)
+        states = [random_ids(200 + 30 * k, 10 + k, V) for k in range(3)]
+        for k, s in enumerate(states):
+            ids = s + random_ids(4, 20 + k, V)
+            assert cache.row(ids, len(s), [len(ids) - 1], [4]) is not None
+        grown = states[0] + random_ids(80, 30, V)  # p 256 from 192
+        rows = []
+        for k, s in enumerate([states[0], states[1], grown, states[2]]):
+            ids = s + random_ids(9 + 7 * k, 40 + k, V)
+            rows.append((ids, len(s), [len(ids) - 1, len(ids) - 4], [3 + k, 26]))
+        ans = cache.rows_batched(rows)
+        assert [a.path for a in ans] == ["hit", "hit", "partial", "hit"]
+        for (ids, _, slots, nopts), a in zip(rows, ans):
+            d = max_abs_diff(a.probs, ref.answers(ids, slots, nopts))
+            assert d < 1e-4, (name, d)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_mixes_with_evictions(data):
+    """Agents with states that repeat, grow or are new; each round batches what can continue from saved states and
+    runs the rest one at a time (as the engine does); a budget of 2 MiB evicts between rounds."""
+    cache = batch_cache(mb=2, max_batch=4)
+    n_agents = data.draw(st.integers(2, 5))
+    states = [toks(data.draw(st.integers(200, 330)), 1000 + a) for a in range(n_agents)]
+    seed = 0
+    for _ in range(data.draw(st.integers(2, 4))):
+        rows = []
+        for a in range(n_agents):
+            what = data.draw(st.sampled_from(["same", "grow", "new", "skip"]))
+            if what == "skip":
+                continue
+            seed += 1
+            if what == "grow":
+                states[a] = states[a] + toks(data.draw(st.integers(1, 70)), 2000 + seed)
+            elif what == "new":
+                states[a] = toks(data.draw(st.integers(200, 330)), 3000 + seed)
+            if len(states[a]) > 700:
+                states[a] = states[a][-300:]
+            rows.append(row(states[a], data.draw(st.integers(1, 40)), seed, data.draw(st.integers(1, 3))))
+        ans = cache.rows_batched(rows)
+        check(cache, rows, ans)
+        for r, a in zip(rows, ans):
+            if a is None:  # the engine's one-at-a-time path plants it
+                single = cache.row(*r)
+                assert single is not None
+                assert_close(single.probs, reference(r[0], r[2], r[3]))
+
+
+# ---- graph mode, with stand-in graphs replaying the Triton batch kernels in the interpreter ----------------------------
+
+
+class ReplayGraph:
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.fn())
+
+
+def test_graph_buckets_and_a_failed_capture(monkeypatch):
+    """Graphs keyed by (batch bucket, token bucket) read every per-sequence number from their input buffer: replays
+    of graphs captured with empty sequences answer rows of other shapes. A bucket that fails to capture halves the
+    batch into buckets that do."""
+    from tests.triton_interp import load
+
+    for mod, kernel in (("statecache.conv_triton", "_conv_chunk_kernel"), ("statecache.gdn_triton", "_delta_chunk_kernel"),
+                        ("statecache.span_triton", "_span_batch_kernel")):
+        load(mod, kernel)
+    import statecache.graphs as graphs_mod
+
+    fail = set()
+
+    def capture(fn, pool, warmup=2):
+        out = fn()  # the warm-up (once: the interpreter is slow)
+        if out.shape[0] in fail:
+            raise RuntimeError("capture refused (test)")
+        return ReplayGraph(fn, out), out
+
+    monkeypatch.setattr(graphs_mod, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    cache = make_cache(True)
+    runner = BatchRunner(small_model(), TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=MAX_POS,
+                         tokens=(64, 128))
+    runner.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid (tested on its own)
+    cache.batch = runner
+    states = [toks(270, 110 + k) for k in range(3)]
+    for k, s in enumerate(states):
+        cache.row(*row(s, 4, k))
+    fail.add(4 * runner.max_slots)  # the 4-sequence bucket refuses: 3 rows run as 1 + 2
+    rows = [row(states[k], 3 + 5 * k, 40 + k, 1 + k % 2) for k in range(3)]
+    ans = cache.rows_batched(rows)
+    assert all(a is not None and a.path == "hit" for a in ans)
+    check(cache, rows, ans)
+    assert runner.stats["capture_failed"] == 1 and runner.graphs[(4, 128, 64)] is None
+    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(1, 64, 64), (2, 64, 64)]

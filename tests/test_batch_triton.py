@@ -1,0 +1,95 @@
+"""The batched Triton kernels (conv_triton.conv_batch, gdn_triton.delta_batch, span_triton.attend_batch) against the
+one-sequence torch reference run sequence by sequence (statecache.batch.BatchKernels' eager loop).
+
+Without CUDA they run in Triton's interpreter, float32. Cases: sequences of different lengths (1 token, more than
+one 64-token delta piece, empty padding sequences), tokens of no sequence at the end, grouped heads, cached keys
+in separate buffers (groups) at arbitrary addresses, starts off the key tile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_interp import CUDA, DEV, load
+
+conv_triton = load("statecache.conv_triton", "_conv_chunk_kernel")
+gdn_triton = load("statecache.gdn_triton", "_delta_chunk_kernel")
+span_triton = load("statecache.span_triton", "_span_batch_kernel")
+
+from statecache.batch import BatchKernels, BatchKV  # noqa: E402
+from statecache.kernels import TorchKernels  # noqa: E402
+
+TOL = 2e-3 if CUDA else 2e-5
+REF = BatchKernels(TorchKernels(), triton=False)
+
+
+def _cu(lens, pad_tokens=0):
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.long, device=DEV), cu[-1] + pad_tokens
+
+
+LENS = [pytest.param([5, 1, 17], 0, id="three"), pytest.param([3, 0, 9, 0], 6, id="empty-and-orphans"),
+        pytest.param([70, 2], 3, id="over-one-piece")]
+
+
+@pytest.mark.parametrize("lens,pad", LENS)
+def test_conv_batch(lens, pad):
+    g = torch.Generator().manual_seed(1)
+    cu, T = _cu(lens, pad)
+    C, W = 40, 4
+    x = torch.randn(T, C + 8, generator=g)[:, 4 : 4 + C].to(DEV)  # a strided view, as the projection split gives
+    w = torch.randn(C, W, generator=g).to(DEV)
+    tails = torch.randn(len(lens), W - 1, C, generator=g).to(DEV)
+    ref_tails = tails.clone()
+    y = conv_triton.conv_batch(x, w, tails, cu, max(lens))
+    ref = REF.conv(x, w, ref_tails, cu, max(lens), lens)
+    assert (y - ref).abs().max().item() < TOL
+    assert (tails - ref_tails).abs().max().item() == 0
+    assert y[cu[-1]:].abs().max().item() == 0 if pad else True
+
+
+@pytest.mark.parametrize("lens,pad", LENS)
+@pytest.mark.parametrize("Hk,Hv", [(2, 4), (2, 2)])
+def test_delta_batch(lens, pad, Hk, Hv):
+    g = torch.Generator().manual_seed(2)
+    cu, T = _cu(lens, pad)
+    Dk, Dv = 16, 32
+    q, k = (torch.randn(T, Hk, Dk, generator=g).to(DEV) for _ in range(2))
+    v = torch.randn(T, Hv, Dv, generator=g).to(DEV)
+    gate = (-torch.rand(T, Hv, generator=g) * 0.5).to(DEV)
+    beta = torch.rand(T, Hv, generator=g).to(DEV)
+    S = torch.randn(len(lens), Hv, Dk, Dv, generator=g).to(DEV)
+    S_ref = S.clone()
+    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), dot_precision="ieee")
+    ref = REF.delta(q, k, v, gate, beta, S_ref, cu, max(lens), lens)
+    assert (o - ref).abs().max().item() < TOL
+    assert (S - S_ref).abs().max().item() < TOL
+    if pad:
+        assert o[cu[-1]:].abs().max().item() == 0
+
+
+@pytest.mark.parametrize("lens,pad", LENS)
+@pytest.mark.parametrize("kw", [dict(block_m=16, block_n=16, n_splits=1), dict(block_m=16, block_n=16, n_splits=3,
+                                                                               min_split_keys=1)])
+def test_attend_batch(lens, pad, kw):
+    g = torch.Generator().manual_seed(3)
+    cu, T = _cu(lens, pad)
+    Hq, Hkv, D, A = 4, 2, 32, 2
+    starts = [37, 0, 64, 5][: len(lens)]
+    q = torch.randn(T, Hq, D, generator=g).to(DEV)
+    k, v = (torch.randn(T, Hkv, D, generator=g).to(DEV) for _ in range(2))
+    groups = [(torch.randn(A, st + 3, Hkv, D, generator=g).to(DEV), torch.randn(A, st + 3, Hkv, D, generator=g).to(DEV))
+              if st else (None, None) for st in starts]
+    a = 1
+    es = k.element_size()
+    off = torch.tensor([[(K[a].data_ptr() - k.data_ptr()) // es, (V[a].data_ptr() - v.data_ptr()) // es] if K is not None
+                        else [0, 0] for K, V in groups], dtype=torch.long, device=DEV)
+    st = torch.tensor(starts, dtype=torch.long, device=DEV)
+    o = span_triton.attend_batch(q, k, v, cu, st, off, max(lens), D**-0.5, **kw)
+    ref = REF.attend(a, q, k, v, cu, st, BatchKV(groups, None, None, None), max(lens), D**-0.5, lens)
+    assert (o - ref).abs().max().item() < TOL
+    if pad:
+        assert o[cu[-1]:].abs().max().item() == 0

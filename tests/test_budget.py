@@ -1,0 +1,90 @@
+"""The cache budget: sizes of what the cache stores, the budget from a given free-memory figure, and eviction that
+really lets go of the cache's tensors."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from statecache import budget as B
+from statecache.checkpoints import real_shape
+from statecache.config import parse_config
+from statecache.engine import Engine
+
+GIB = 2**30
+
+
+def cfg9b():
+    return parse_config({"model_type": "qwen3_5_text", **real_shape("9B")})
+
+
+def test_sizes_of_the_9b_shape():
+    cfg = cfg9b()
+    # DESIGN.md's figures: GDN states 24 x 32 x 128 x 128 x 4 B = 48 MiB, K/V of 4096 tokens 8 x 4096 x 2 x 4 x 256 x 2 B
+    assert B.checkpoint_bytes(cfg, 2) == 24 * (32 * 128 * 128 * 4 + 3 * (2 * 2048 + 4096) * 2)
+    assert B.kv_bytes(cfg, 4096, 2) == 128 * 2**20
+    assert B.checkpoints_planted(4096) == 3  # 2048, 4032, 4096
+    assert B.checkpoints_planted(4170) == 3  # p = 4160: 2048, 4096 (also 4160 - 16, aligned), 4160
+    assert B.checkpoints_planted(6000) == 4  # p = 5952: 2048, 4096, 5888, 5952
+    assert B.checkpoints_planted(100) == 1 and B.checkpoints_planted(0) == 0
+
+
+def test_budget_from_a_free_memory_figure():
+    cfg = cfg9b()
+    one = B.state_bytes(cfg, 4096, 2)
+    # an H200 after 17.9 GB of weights and buffers: ~120 GiB free
+    work = B.forward_workspace_bytes(cfg, 32768, 2)
+    assert 4 * GIB < work < 40 * GIB  # a real reserve for the largest forward, not most of the card
+    b = B.cache_budget(cfg, 2, free_bytes=120 * GIB, workspace_bytes=work, fraction=0.9)
+    assert b.source == "device"
+    assert b.mb == int(0.9 * (120 * GIB - work)) // 2**20
+    assert 200 < b.states_4k < 400  # hundreds of 4k-token states, not the 3 a fixed 1 GiB held
+    assert abs(b.states_4k - b.mb * 2**20 / one) < 1e-6
+    assert "MiB" in b.describe() and "4096 tokens" in b.describe()
+    # nothing left after the workspace: an empty cache, never a negative one
+    assert B.cache_budget(cfg, 2, free_bytes=GIB, workspace_bytes=2 * GIB).mb == 0
+    # the setting wins; the CPU default without a device figure
+    assert B.cache_budget(cfg, 2, setting_mb=500, free_bytes=120 * GIB).mb == 500
+    cpu = B.cache_budget(cfg, 2)
+    assert (cpu.mb, cpu.source) == (B.CPU_DEFAULT_MB, "cpu default")
+    with pytest.raises(ValueError):
+        B.cache_budget(cfg, 2, fraction=1.5)
+    with pytest.raises(ValueError):
+        B.cache_budget(cfg, 2, setting_mb=-1)
+
+
+def test_engine_on_cpu_takes_the_default_or_the_setting():
+    assert Engine(None, "cpu", "float32").cache.index.budget_bytes == B.CPU_DEFAULT_MB * 2**20
+    eng = Engine(None, "cpu", "float32", cache_mb=3)
+    assert eng.budget.source == "setting" and eng.cache.index.budget_bytes == 3 * 2**20
+
+
+def test_eviction_drops_the_tensors():
+    eng = Engine(None, "cpu", "float32", cache_mb=1, cold_ok=lambda ctx: True)  # plant even what barely fits
+    gen = torch.Generator().manual_seed(0)
+    refs = []
+    for k in range(12):
+        ids = torch.randint(0, 500, (700,), generator=gen).tolist()
+        eng.answer([{"ids": ids, "state_len": 680, "slots": [699], "nopts": [3]}])
+        for c in eng.cache.index.lru_order():
+            refs += [weakref.ref(t) for t in (*c.payload, *c.group.payload[:2])]
+    assert eng.cache.stats["evicted"] > 0
+    gc.collect()
+    live = {id(t) for c in eng.cache.index.lru_order() for t in (*c.payload, *c.group.payload[:2])}
+    dangling = [r for r in refs if r() is not None and id(r()) not in live]
+    assert not dangling, f"{len(dangling)} tensors of evicted checkpoints are still referenced"
+    assert eng.cache.index.bytes <= 2**20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_sizes_the_cache_from_the_device():
+    eng = Engine(None, "cuda", "bfloat16", cache_fraction=0.5)
+    b = eng.budget
+    assert b.source == "device" and b.fraction == 0.5 and b.mb > 0
+    free, _ = torch.cuda.mem_get_info()
+    assert b.mb * 2**20 <= 0.5 * (free + 2**30)  # half of what was free then (the cache is still empty)
+    assert eng.cache.index.budget_bytes == b.mb * 2**20
+    mem = eng.stats()["device_memory_mb"]
+    assert mem["total"] > mem["free"] > 0
