@@ -171,7 +171,7 @@ def main():
             t = time.perf_counter()
             for k, s in enumerate(states):  # plant each state (cold rows: capture their chunk graphs once)
                 ids = s + question()
-                a = cache.row(ids, args.state, [len(ids) - 1], [4], plant_anyway=True)
+                a = cache.row(ids, args.state, [len(ids) - 1], [4])
                 if a is None:
                     raise RuntimeError(f"state {k} was not planted (the cached path declined it)")
                 if k == 0 or (k + 1) % 16 == 0:

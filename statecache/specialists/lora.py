@@ -36,6 +36,12 @@ from dataclasses import dataclass
 import torch
 
 
+
+def _same_device(a, b) -> bool:
+    """torch.device("cuda") and torch.device("cuda:0") name one device."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
 @dataclass
 class Site:
     """One fused projection's adapters for every route: A [R, rb, in], B [R, out, rb] (route 0, the trunk, zeros;
@@ -171,7 +177,7 @@ class StackedLora:
             if tuple(W.shape) != (lay.out, lay.fin):
                 raise ValueError(f"specialists site {key}: the model's weight is {tuple(W.shape)}, the adapters "
                                  f"expect ({lay.out}, {lay.fin})")
-            if W.dtype != self.dtype or W.device != self.device:
+            if W.dtype != self.dtype or not _same_device(W.device, self.device):
                 raise ValueError(f"specialists site {key}: the model's weight is {W.dtype} on {W.device}, the "
                                  f"adapters were loaded as {self.dtype} on {self.device}")
         Rp = self.n_routes - 1
