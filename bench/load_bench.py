@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
 
 from producer.client import AnswerTimeout, Client, RowRejected, WorkerError  # noqa: E402
 from producer.local_redis import LocalRedis, answers  # noqa: E402
-from worker import constants as C  # noqa: E402
+from statecache.protocol import health_key  # noqa: E402
 
 ALIGN = 64  # the cache's checkpoint alignment (CacheSettings.align): what any cache of this design can restore to
 PATHS = ("memo", "hit", "partial", "cold", "plain")
@@ -234,7 +234,7 @@ def health_key_exists(url: str, queue: str) -> bool:
 
     r = redis.Redis.from_url(url)
     try:
-        return bool(r.exists(queue + C.HEALTH_KEY_SUFFIX))
+        return bool(r.exists(health_key(queue)))
     finally:
         r.close()
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from producer.client import Client  # noqa: E402
 from producer.demo import started_worker  # noqa: E402
 from producer.local_redis import LocalRedis, answers  # noqa: E402
-from worker import constants as C  # noqa: E402
+from statecache.settings import Settings  # noqa: E402
 
 QUESTIONS = [
     ("Which part of the page should the agent use next?", ["the blue button", "the menu", "the search box", "a link"]),
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from statecache.engine import Engine  # after the worker is gone: the cores are the engine's alone
 
-    engine = Engine.from_env()
+    engine = Engine.from_settings(Settings.from_env(precapture=False))
     direct_times(engine, warm)
     d_ms, d_paths = direct_times(engine, seq)
     t0 = time.perf_counter()
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     "load_average_at_start": load_at_start},
         "model": os.environ.get("STATECACHE_MODEL") or "built-in tiny model",
         "device": str(engine.device),
-        "worker_settings": {"poll_delay_s": C.POLL_DELAY_S, "max_jobs": C.MAX_JOBS, "backlog_rows": C.BACKLOG_ROWS},
+        "worker_settings": {k: getattr(Settings.from_env(), k) for k in ("poll_delay_s", "max_jobs", "batch")},
         "rows": {"states": args.states, "questions": args.questions, "sequential": len(seq), "burst": len(burst)},
         "sequential_ms": {
             "direct": summary(d_ms),

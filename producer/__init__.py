@@ -1,7 +1,18 @@
-"""The agent side of statecache: `Client` (answer rows through Redis), the msgpack serialiser pair, a CLI
-that sends rows from a JSON-lines file, and a demo of simulated agents (`python -m producer.demo`)."""
+"""The agent side of statecache: the msgpack serialiser pair (from statecache.protocol, for a plain arq pool),
+`Client` (answer rows through Redis, with retries through an outage), a CLI that sends rows from a JSON-lines
+file, and a demo of simulated agents (`statecache-demo`, `python -m producer.demo`).
 
-from producer.client import AnswerTimeout, Client, RowRejected, WorkerError
-from producer.serial import RemoteJobError, deserialize, serialize
+    from arq import create_pool
+    from arq.connections import RedisSettings
+    from producer import serialize, deserialize
 
-__all__ = ["Client", "AnswerTimeout", "RowRejected", "WorkerError", "RemoteJobError", "serialize", "deserialize"]
+    pool = await create_pool(RedisSettings(), job_serializer=serialize, job_deserializer=deserialize)
+    job = await pool.enqueue_job("answer", row)
+    result = await job.result()
+"""
+
+from statecache.protocol import ERROR_CODES, JOB_ANSWER, QUEUE_NAME, RemoteJobError, deserialize, serialize
+from producer.client import AnswerTimeout, Client, ClientError, QueueUnavailable, RowRejected, WorkerError
+
+__all__ = ["serialize", "deserialize", "RemoteJobError", "JOB_ANSWER", "QUEUE_NAME", "ERROR_CODES", "Client",
+           "ClientError", "AnswerTimeout", "QueueUnavailable", "RowRejected", "WorkerError"]

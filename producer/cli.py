@@ -2,7 +2,7 @@
 
     python -m producer.cli rows.jsonl [-o results.jsonl] [--redis-url URL] [--queue NAME] [--concurrency 32]
 
-Each input line is one row (token form or text form, DESIGN.md section 7); `-` reads stdin. Each output line
+Each input line is one row (token form or text form, statecache.protocol); `-` reads stdin. Each output line
 is the worker's result, or `{"error": {"code", "message"}}` for a refused row, a line that is not JSON, a
 timeout or a failed job. Exit status: 0 if every row was answered, 1 if any got an error.
 """
@@ -12,23 +12,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 
-from producer.client import AnswerTimeout, Client, RowRejected, WorkerError
-from statecache.rows import error_result
-from worker import constants as C
+from producer.client import ANSWER_TIMEOUT_S, AnswerTimeout, Client, RowRejected, WorkerError
+from statecache.protocol import error_result
+from statecache.settings import Settings
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    env = Settings.from_env(warn_unknown=False)
     p = argparse.ArgumentParser(prog="python -m producer.cli", description=__doc__.split("\n\n")[0])
     p.add_argument("rows", help="JSON-lines file of rows, or - for stdin")
     p.add_argument("-o", "--output", default="-", help="where to write results (default: stdout)")
-    p.add_argument("--redis-url", default=os.environ.get(C.ENV_REDIS_URL, C.REDIS_URL))
-    p.add_argument("--queue", default=os.environ.get(C.ENV_QUEUE, C.QUEUE_NAME))
+    p.add_argument("--redis-url", default=env.redis_url, help="default: $REDIS_URL")
+    p.add_argument("--queue", default=env.queue, help="default: $STATECACHE_QUEUE, else arq's default queue")
     p.add_argument("--concurrency", type=int, default=32, help="rows in flight at once")
-    p.add_argument("--timeout-s", type=float, default=C.ANSWER_TIMEOUT_S, help="per row")
+    p.add_argument("--timeout-s", type=float, default=ANSWER_TIMEOUT_S, help="per row")
     return p.parse_args(argv)
 
 

@@ -4,35 +4,49 @@
         result = await client.answer_text(state, [{"text": "Next?", "options": ["click", "type"]}])
         result["probs"]  # one list per question, summing to 1; result["path"]: memo|hit|partial|cold|plain
 
-`answer(row)` takes a token row or a text row (DESIGN.md section 7) and returns the worker's result, or
-raises: `RowRejected` (the worker refused the row: `.code`, `.message`), `AnswerTimeout` (no answer in
-`timeout_s`; the job expires with it, so a late worker does not run it), `WorkerError` (the job failed
-outside any row). A result arrives as soon as the worker publishes the job id on the queue's done channel;
-a missed message costs at most one `RESULT_POLL_S` poll. Each result is read once and deleted.
+`answer(row)` takes a token row or a text row (statecache.protocol) and returns the worker's result, or
+raises one of its own errors, all `ClientError`s:
+  `RowRejected`      the worker refused the row (`.code`, `.message`; codes in statecache.protocol.ERROR_CODES)
+  `AnswerTimeout`    no answer in `timeout_s`; the job expires with it, so a late worker does not run it
+  `QueueUnavailable` (an AnswerTimeout) Redis did not answer for the whole of `timeout_s`
+  `WorkerError`      the job failed in the worker outside any row
+Through a Redis outage (a restart, a failover) the client keeps trying with backoff until its timeout: a job
+enqueued before the outage is still answered once Redis is back (with append-only persistence). A result
+arrives as soon as the worker publishes the job id on the queue's done channel; a missed message costs at most
+one `RESULT_POLL_S` poll. Each result is read once and deleted.
 
-Knows the queue protocol (arq jobs, msgpack, the done channel); does not know the model or tokenizers.
+Knows the queue protocol (statecache.protocol); does not know the model or tokenizers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from typing import Any, Iterable
 
 from arq.connections import ArqRedis, RedisSettings, create_pool
-from arq.constants import result_key_prefix
 from arq.jobs import deserialize_result
+from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError, WatchError
 
-from producer.serial import RemoteJobError, deserialize, serialize
-from worker import constants as C
+from statecache.protocol import JOB_ANSWER, JOB_STATS, RESULT_KEY_PREFIX, RemoteJobError, deserialize, done_channel
+from statecache.protocol import serialize
+from statecache.settings import Settings
 
 log = logging.getLogger("statecache.producer")
 
+ANSWER_TIMEOUT_S = 60.0  # a producer gives up on an answer after this (and the job expires with it)
+RESULT_POLL_S = 0.1  # fallback poll for a result when its done message was missed
+RETRY_MAX_S = 1.0  # backoff cap while Redis does not answer
+LOST = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
 
-class RowRejected(ValueError):
+
+class ClientError(Exception):
+    """Base of the errors `Client` raises."""
+
+
+class RowRejected(ClientError, ValueError):
     """The worker refused the row: `code` (e.g. "id_out_of_range") and `message` say why."""
 
     def __init__(self, code: str, message: str):
@@ -40,11 +54,15 @@ class RowRejected(ValueError):
         self.code, self.message = code, message
 
 
-class AnswerTimeout(TimeoutError):
+class AnswerTimeout(ClientError, TimeoutError):
     """No answer within the timeout (no worker running, or the queue is too long)."""
 
 
-class WorkerError(RuntimeError):
+class QueueUnavailable(AnswerTimeout):
+    """Redis did not answer within the timeout (down, restarting, unreachable)."""
+
+
+class WorkerError(ClientError, RuntimeError):
     """The job failed in the worker outside any row (could not be decoded, expired, retried too often)."""
 
 
@@ -61,9 +79,9 @@ def text_row(state: str, questions: Iterable[Any]) -> dict:
 
 
 class Client:
-    def __init__(self, pool: ArqRedis, queue_name: str = C.QUEUE_NAME, timeout_s: float = C.ANSWER_TIMEOUT_S):
+    def __init__(self, pool: ArqRedis, queue_name: str | None = None, timeout_s: float = ANSWER_TIMEOUT_S):
         self.pool = pool
-        self.queue_name = queue_name
+        self.queue_name = queue_name or Settings().queue
         self.timeout_s = timeout_s
         self._waiters: dict[str, asyncio.Event] = {}
         self._listener: asyncio.Task | None = None
@@ -71,18 +89,25 @@ class Client:
 
     @classmethod
     async def connect(
-        cls, redis_url: str | None = None, queue_name: str | None = None, timeout_s: float = C.ANSWER_TIMEOUT_S
+        cls, redis_url: str | None = None, queue_name: str | None = None, timeout_s: float = ANSWER_TIMEOUT_S
     ) -> "Client":
-        """Connect to the queue at `redis_url` (default: $REDIS_URL, else localhost) named `queue_name`
-        (default: $STATECACHE_QUEUE, else statecache:queue)."""
-        redis_url = redis_url or os.environ.get(C.ENV_REDIS_URL) or C.REDIS_URL
-        queue_name = queue_name or os.environ.get(C.ENV_QUEUE) or C.QUEUE_NAME
-        pool = await create_pool(
-            RedisSettings.from_dsn(redis_url),
-            job_serializer=serialize,
-            job_deserializer=deserialize,
-            default_queue_name=queue_name,
-        )
+        """Connect to the queue at `redis_url` named `queue_name` (defaults: the REDIS_URL and STATECACHE_QUEUE
+        settings, statecache.settings). Raises QueueUnavailable when Redis does not answer within `timeout_s`."""
+        if redis_url is None or queue_name is None:
+            env = Settings.from_env(warn_unknown=False)
+            redis_url, queue_name = redis_url or env.redis_url, queue_name or env.queue
+        deadline = time.monotonic() + timeout_s
+        settings = RedisSettings.from_dsn(redis_url)
+        settings.conn_retries = 0
+        failures = 0
+        while True:
+            try:
+                pool = await create_pool(settings, job_serializer=serialize, job_deserializer=deserialize,
+                                         default_queue_name=queue_name)
+                break
+            except LOST as e:
+                failures += 1
+                await _backoff(e, failures, deadline, timeout_s, redis_url)
         client = cls(pool, queue_name, timeout_s)
         client._listener = asyncio.create_task(client._listen())
         try:
@@ -108,7 +133,7 @@ class Client:
 
     async def answer(self, row: dict, timeout_s: float | None = None) -> dict:
         """The worker's result for one row; raises RowRejected, AnswerTimeout or WorkerError."""
-        result = await self._run(C.JOB_ANSWER, (row,), timeout_s)
+        result = await self._run(JOB_ANSWER, (row,), timeout_s)
         if isinstance(result, dict) and "error" in result:
             err = result["error"]
             raise RowRejected(str(err.get("code")), str(err.get("message")))
@@ -119,7 +144,7 @@ class Client:
 
     async def stats(self, timeout_s: float = 10.0) -> dict:
         """The engine's cache counters and the worker's batch counters (from one worker)."""
-        return await self._run(C.JOB_STATS, (), timeout_s)
+        return await self._run(JOB_STATS, (), timeout_s)
 
     async def _run(self, function: str, args: tuple, timeout_s: float | None) -> Any:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -127,11 +152,19 @@ class Client:
         job_id = uuid.uuid4().hex
         done = self._waiters[job_id] = asyncio.Event()
         try:
-            job = await self.pool.enqueue_job(
-                function, *args, _job_id=job_id, _queue_name=self.queue_name, _expires=timeout_s
-            )
-            if job is None:
-                raise WorkerError(f"job id {job_id} already exists")
+            failures = 0
+            while True:
+                try:
+                    job = await self.pool.enqueue_job(
+                        function, *args, _job_id=job_id, _queue_name=self.queue_name, _expires=timeout_s
+                    )
+                except LOST + (WatchError,) as e:
+                    failures += 1
+                    await _backoff(e, failures, deadline, timeout_s, self.queue_name)
+                    continue
+                if job is None and not failures:
+                    raise WorkerError(f"job id {job_id} already exists")
+                break  # (None after a lost connection: our own enqueue had gone through)
             info = await self._wait(job_id, done, deadline, timeout_s)
         finally:
             del self._waiters[job_id]
@@ -142,26 +175,36 @@ class Client:
         raise WorkerError(f"job {job_id} failed in the worker: {info.result!r}")
 
     async def _wait(self, job_id: str, done: asyncio.Event, deadline: float, timeout_s: float):
-        key = result_key_prefix + job_id
+        key = RESULT_KEY_PREFIX + job_id
+        failures = 0
         while True:
             remaining = deadline - time.monotonic()
+            if remaining <= 0 and failures:
+                raise QueueUnavailable(f"Redis did not answer within {timeout_s:g} s (queue {self.queue_name})")
             if remaining <= 0:
                 raise AnswerTimeout(f"no answer within {timeout_s:g} s (queue {self.queue_name}): is a worker running?")
             try:
-                await asyncio.wait_for(done.wait(), min(remaining, C.RESULT_POLL_S))
+                await asyncio.wait_for(done.wait(), min(remaining, RESULT_POLL_S))
             except asyncio.TimeoutError:
                 pass
             done.clear()
-            async with self.pool.pipeline(transaction=True) as tr:
-                tr.get(key)
-                tr.delete(key)
-                raw, _ = await tr.execute()
+            try:
+                async with self.pool.pipeline(transaction=True) as tr:
+                    tr.get(key)
+                    tr.delete(key)
+                    raw, _ = await tr.execute()
+            except LOST as e:
+                failures += 1
+                await _backoff(e, failures, deadline, timeout_s, self.queue_name)
+                continue
+            failures = 0
             if raw:
                 return deserialize_result(raw, deserializer=deserialize)
 
     async def _listen(self) -> None:
         """Wake the waiter of every job id published on the done channel; reconnect on errors."""
-        channel = self.queue_name + C.DONE_CHANNEL_SUFFIX
+        channel = done_channel(self.queue_name)
+        lost = False
         while True:
             pubsub = self.pool.pubsub()
             try:
@@ -169,6 +212,7 @@ class Client:
                 async for message in pubsub.listen():
                     if message["type"] == "subscribe":
                         self._subscribed.set()
+                        lost = False
                     elif message["type"] == "message":
                         data = message["data"]
                         waiter = self._waiters.get(data.decode() if isinstance(data, bytes) else str(data))
@@ -177,7 +221,22 @@ class Client:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("done channel lost (%s); polling until it is back", e)
+                if not lost:
+                    log.warning("done channel lost (%s); polling until it is back", e)
+                lost = True
                 await asyncio.sleep(0.5)
             finally:
-                await pubsub.aclose()
+                try:
+                    await pubsub.aclose()
+                except Exception:  # noqa: BLE001 - the connection is gone already
+                    pass
+
+
+async def _backoff(error: BaseException, failures: int, deadline: float, timeout_s: float, where: str) -> None:
+    """Sleep the next backoff step while Redis does not answer; QueueUnavailable once past the deadline."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise QueueUnavailable(f"Redis did not answer within {timeout_s:g} s ({where}): {type(error).__name__}: {error}") from error
+    if failures == 1:
+        log.warning("Redis does not answer (%s); retrying for up to %.0f s", error, remaining)
+    await asyncio.sleep(min(remaining, RETRY_MAX_S, 0.05 * 2 ** min(failures, 10)))

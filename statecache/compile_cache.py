@@ -8,11 +8,12 @@ not set it already; it must run before the first compile or kernel launch. Knows
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from .settings import setdefault_env
 
-def use_persistent_caches(home: Path | None = None) -> dict[str, str]:
+
+def use_persistent_caches(home: str | Path | None = None) -> dict[str, str]:
     """Set the cache variables that are unset; returns every one of them as it now stands."""
     if home is None:
         from .tiny import statecache_home
@@ -21,9 +22,7 @@ def use_persistent_caches(home: Path | None = None) -> dict[str, str]:
     base = Path(home) / "compile"
     wanted = {"TORCHINDUCTOR_CACHE_DIR": str(base / "inductor"), "TRITON_CACHE_DIR": str(base / "triton"),
               "TRITON_CACHE_AUTOTUNING": "1"}
-    for name, value in wanted.items():
-        if not os.environ.get(name):
-            if name.endswith("_DIR"):
-                Path(value).mkdir(parents=True, exist_ok=True)
-            os.environ[name] = value
-    return {name: os.environ[name] for name in wanted}
+    for name, value in setdefault_env(wanted).items():
+        if name.endswith("_DIR"):
+            Path(value).mkdir(parents=True, exist_ok=True)
+    return setdefault_env(wanted)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import string
 import time
 from collections import OrderedDict
@@ -41,18 +40,13 @@ from .loader import load_weights
 from .memo import Memo, row_key
 from .model import Qwen35
 from .plain import PlainPath
-from .policy import ColdContext, ColdPolicy, PlantWhenItFits
+from .policy import ColdContext, ColdPolicy, PlantWhenItFits, load_policy
 from .rows import RowError, check_row, error_result
 from .runner import ChunkRunner
 from .specialists import load_specialists
 
 log = logging.getLogger("statecache.engine")
 LETTERS = list(string.ascii_uppercase)
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    v = os.environ.get(name)
-    return default if v in (None, "") else int(v)
 
 
 def default_device() -> str:
@@ -70,15 +64,17 @@ class Engine:
                  *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
-                 specialists=None, cache_fraction: float | None = None, batch: int = 64):
+                 specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
+                 auto_budget: bool | None = None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
-            model_dir = tiny_model_dir()
+            model_dir = tiny_model_dir(home)
+        self.cache_fraction = cache_fraction  # share of free device memory for the cache when cache_mb is None
         self.model_dir = str(model_dir)
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda":
-            use_persistent_caches()  # before anything compiles or autotunes
+            use_persistent_caches(home)  # before anything compiles or autotunes
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -99,12 +95,13 @@ class Engine:
         self.loaded_at = time.time()  # wall clock: start-up is measured from here (bench/load_bench.py)
         self.model = Qwen35(weights)
         if compile is None:  # fused elementwise kernels on the GPU (measured on an H200, 9B shape: bench/README.md)
-            compile = self.device.type == "cuda" and os.environ.get("STATECACHE_COMPILE", "1") != "0"
+            compile = self.device.type == "cuda"
         if compile:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         self.kernels = kernels_for(self.device, compile)
-        auto_budget = cache_mb is None and settings is None  # else the caller's figure (cache_mb, else settings.mb)
+        if auto_budget is None:  # sized from the device unless the caller gives a figure (cache_mb, else settings.mb)
+            auto_budget = cache_mb is None and settings is None
         settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb
@@ -185,18 +182,18 @@ class Engine:
         return budget
 
     @classmethod
-    def from_env(cls, **kw) -> "Engine":
-        """STATECACHE_MODEL, STATECACHE_DEVICE, STATECACHE_DTYPE, STATECACHE_CACHE_MB (DESIGN.md section 7; unset: sized
-        from the device, STATECACHE_CACHE_FRACTION of its free memory, default 0.9); also
-        STATECACHE_PRECAPTURE=0 (capture chunk graphs on first use instead of at start-up) and STATECACHE_COMPILE=0
-        (no torch.compile), STATECACHE_BATCH (the most rows of saved states run in one batched forward; 0: one at
-        a time; default 64)."""
-        fraction = os.environ.get("STATECACHE_CACHE_FRACTION")
-        kw.setdefault("cache_fraction", float(fraction) if fraction else None)
-        return cls(os.environ.get("STATECACHE_MODEL") or None, os.environ.get("STATECACHE_DEVICE") or None,
-                   os.environ.get("STATECACHE_DTYPE") or None, _env_int("STATECACHE_CACHE_MB", None),
-                   precapture=os.environ.get("STATECACHE_PRECAPTURE", "1") != "0",
-                   batch=_env_int("STATECACHE_BATCH", 64), **kw)
+    def from_settings(cls, settings=None, **kw) -> "Engine":
+        """The engine a `statecache.settings.Settings` describes (default: `Settings.from_env()`); `kw` overrides.
+        The cache's budget: `cache_mb` when set, else sized from the device (`cache_fraction` of its free memory)."""
+        from .settings import Settings
+
+        s = settings if settings is not None else Settings.from_env()
+        args = dict(settings=s.cache_settings(), auto_budget=s.cache_mb is None, compile=s.compile, precapture=s.precapture,
+                    cold_ok=load_policy(s.cold_ok), cache_fraction=s.cache_fraction, specialists=s.specialists,
+                    batch=s.batch, home=s.home)
+        if s.max_row_tokens is not None:
+            args["max_row_tokens"] = s.max_row_tokens
+        return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
 
     def _batch_runner(self, max_batch: int, max_pos: int):
         """The batched-continuation runner (statecache.batch), or None when it cannot run here: CUDA graphs need its

@@ -1,4 +1,5 @@
-"""Row contract checks (DESIGN.md section 7): a row from the queue in, a validated row or a clear error out.
+"""Row contract checks (the schema is in statecache.protocol): a row from the queue in, a validated row or a
+clear error out.
 
 Knows the row's shape only: token rows (`ids`, `state_len`, `slots`, `nopts`) and text rows (`state`,
 `questions`), either with optional `images` (checked by statecache.images, which `check_row` hands them to).
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from .protocol import error_result  # noqa: F401 - the result a bad row gets (re-exported for the engine)
+
 MIN_OPTIONS = 2
 MAX_OPTIONS = 26  # letters A..Z
 TOKEN_FIELDS = ("ids", "state_len", "slots", "nopts")
@@ -31,11 +34,6 @@ class RowError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
-
-
-def error_result(code: str, message: str) -> dict:
-    """The result a bad row gets instead of an answer."""
-    return {"error": {"code": str(code), "message": str(message)}}
 
 
 def is_text_row(row: Any) -> bool:

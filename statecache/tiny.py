@@ -106,7 +106,9 @@ assistant answers.
 
 def statecache_home() -> Path:
     """``$STATECACHE_HOME``, else ``~/.cache/statecache``."""
-    return Path(os.environ.get("STATECACHE_HOME") or Path.home() / ".cache" / "statecache")
+    from .settings import env_home
+
+    return Path(env_home() or Path.home() / ".cache" / "statecache")
 
 
 def build_tokenizer(vision: bool = False):
@@ -156,9 +158,10 @@ def _build_specialists(out_dir: Path) -> None:
                      adapters={"beta": beta}, seed=SEED)
 
 
-def tiny_model_dir() -> Path:
-    """The tiny model's folder, made on first use (atomically; safe when processes race)."""
-    return _made(NAME, "config.json", _build)
+def tiny_model_dir(home: str | Path | None = None) -> Path:
+    """The tiny model's folder under `home` (default: `statecache_home()`), made on first use (atomically; safe
+    when processes race)."""
+    return _made(NAME, "config.json", _build, home)
 
 
 def tiny_vl_model_dir() -> Path:
@@ -171,8 +174,8 @@ def tiny_specialists_dir() -> Path:
     return _made(NAME + "-specialists", "router.json", _build_specialists)
 
 
-def _made(name: str, marker: str, build) -> Path:
-    home = statecache_home()
+def _made(name: str, marker: str, build, home: str | Path | None = None) -> Path:
+    home = Path(home) if home else statecache_home()
     final = home / name
     if (final / marker).is_file():
         return final

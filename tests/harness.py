@@ -15,8 +15,8 @@ from pathlib import Path
 import redis as redis_sync
 from arq.worker import create_worker
 
-from worker import constants as C
-from worker.config import Config
+from statecache.protocol import health_key
+from statecache.settings import Settings
 from worker.settings import worker_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,10 +34,12 @@ def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.01):
 
 
 class InProcessWorker:
-    """The arq worker with `worker_settings(config)`, running in a thread until the `with` block ends."""
+    """The arq worker with `worker_settings(settings)`, running in a thread until the `with` block ends.
+    Settings: the given fields over the defaults, metrics off unless `metrics_port` is given."""
 
-    def __init__(self, redis_url: str, queue_name: str, make_engine, **config):
-        self.config = Config(redis_url=redis_url, queue_name=queue_name, **config)
+    def __init__(self, redis_url: str, queue_name: str, make_engine, **fields):
+        fields.setdefault("metrics_port", 0)
+        self.settings = Settings(redis_url=redis_url, queue=queue_name, **fields)
         self.make_engine = make_engine
         self.worker = None
         self.error: BaseException | None = None
@@ -48,15 +50,20 @@ class InProcessWorker:
         wait_for(lambda: self.error or (self.worker and "gpu" in self.worker.ctx), 60, "the worker to start")
         if self.error:
             raise self.error
+        r = redis_sync.Redis.from_url(self.settings.redis_url)
+        try:  # ready as operators see it: the health key is up
+            wait_for(lambda: self.error or r.exists(health_key(self.settings.queue)), 30, "the health key")
+        finally:
+            r.close()
         return self
 
     def _main(self) -> None:
         asyncio.set_event_loop(asyncio.new_event_loop())
         try:
             self.worker = create_worker(
-                worker_settings(self.config),
+                worker_settings(self.settings),
                 handle_signals=False,
-                ctx={"config": self.config, "make_engine": self.make_engine},
+                ctx={"settings": self.settings, "make_engine": self.make_engine},
             )
             self.worker.run()
         except BaseException as e:  # reported to the test
@@ -70,16 +77,29 @@ class InProcessWorker:
     def engine(self):
         return self.gpu.engine
 
+    @property
+    def metrics(self):
+        return self.worker.ctx["metrics"]
+
     def __exit__(self, *exc) -> None:
         worker = self.worker
         if worker is not None and not worker.loop.is_closed():
             worker.loop.call_soon_threadsafe(worker.handle_sig, signal.SIGUSR1)
         self._thread.join(30)
-        assert not self._thread.is_alive(), "the in-process worker did not stop"
+        assert not self._thread.is_alive(), "the in-process worker did not stop:\n" + self._stacks()
 
+    def _stacks(self) -> str:
+        import traceback
 
-def health_key(queue_name: str) -> str:
-    return queue_name + C.HEALTH_KEY_SUFFIX
+        frame = sys._current_frames().get(self._thread.ident)
+        out = ["worker thread:", "".join(traceback.format_stack(frame)) if frame else "?"]
+        try:
+            for task in asyncio.all_tasks(self.worker.loop):
+                out.append(f"task {task.get_name()}: " + "".join(traceback.format_stack(task.get_stack()[-1]))
+                           if task.get_stack() else f"task {task!r}")
+        except Exception as e:  # noqa: BLE001
+            out.append(f"(tasks: {e})")
+        return "\n".join(out)
 
 
 class WorkerProcess:
@@ -92,18 +112,26 @@ class WorkerProcess:
             "REDIS_URL": redis_url,
             "STATECACHE_QUEUE": queue_name,
             "STATECACHE_HEALTH_INTERVAL_S": "0.2",
+            "STATECACHE_METRICS_PORT": "0",
             "PYTHONPATH": str(ROOT),
             **{k: str(v) for k, v in env.items()},
         }
         self.proc: subprocess.Popen | None = None
 
-    def start(self, ready_timeout_s: float = 120) -> "WorkerProcess":
+    def launch(self) -> "WorkerProcess":
+        """Start the process without waiting for it to be ready."""
         r = redis_sync.Redis.from_url(self.redis_url)
         r.delete(health_key(self.queue_name))
+        r.close()
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "arq", "worker.WorkerSettings"], cwd=ROOT, env=self.env, stdout=self._log, stderr=self._log
         )
+        return self
+
+    def start(self, ready_timeout_s: float = 120) -> "WorkerProcess":
+        self.launch()
+        r = redis_sync.Redis.from_url(self.redis_url)
         try:
             wait_for(
                 lambda: self.proc.poll() is not None or r.exists(health_key(self.queue_name)),

@@ -408,7 +408,7 @@ def test_gpu_thread_answers_hits_between_chunks():
     queued, busy, seen = threading.Event(), threading.Event(), threading.Event()
 
     class Gated:  # the real engine; its batch's first `between` waits until a row has queued behind the batch,
-        def answer(self, rows, backed_up=False, between=None):  # the next ones until that row's answer arrived
+        def answer(self, rows, waiting_rows=0, between=None):  # the next ones until that row's answer arrived
             calls = []
 
             def gated():

@@ -1,26 +1,34 @@
-"""The producer side: the JSON-lines CLI and the demo, against a real Redis and a worker on the fake engine."""
+"""The producer side: the JSON-lines CLI and the demo, against a real Redis and a worker on the tiny model."""
 
 import json
 
+import pytest
+
 from producer import cli, demo
-from tests.fakes import FakeEngine, text_engine
+from producer.local_redis import free_port
+from statecache.engine import Engine
 from tests.harness import InProcessWorker
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine()
 
 GOOD = {"ids": [1, 2, 3, 4], "state_len": 2, "slots": [3], "nopts": [3]}
 TEXT = {"state": "the page shows a login form", "questions": [{"text": "Log in?", "options": ["yes", "no"]}]}
 
 
-def test_cli_answers_a_file_in_order(redis_url, queue_name, tmp_path, capsys):
+def test_cli_answers_a_file_in_order(redis_url, queue_name, tmp_path, capsys, engine):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(
         "\n".join([json.dumps(GOOD), json.dumps({**GOOD, "nopts": [1]}), "{not json", "", json.dumps(TEXT)]) + "\n"
     )
     out = tmp_path / "out.jsonl"
-    with InProcessWorker(redis_url, queue_name, text_engine):
+    with InProcessWorker(redis_url, queue_name, lambda: engine):
         rc = cli.main([str(rows), "-o", str(out), "--redis-url", redis_url, "--queue", queue_name])
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert rc == 1 and len(results) == 4
-    assert results[0]["path"] == "cold" and len(results[0]["probs"][0]) == 3
+    assert results[0]["path"] == "plain" and len(results[0]["probs"][0]) == 3  # 2 tokens of state: not cached
     assert results[1]["error"]["code"] == "bad_nopts"
     assert results[2]["error"]["code"] == "bad_json" and "line 3" in results[2]["error"]["message"]
     assert len(results[3]["probs"][0]) == 2
@@ -54,27 +62,24 @@ def test_agents_repeat_grow_and_change():
     assert all(seen.values())
 
 
-def test_demo_with_an_external_worker(redis_url, queue_name, capsys):
-    with InProcessWorker(redis_url, queue_name, text_engine) as w:
-        rc = demo.main(["--seconds", "1.5", "--every-s", "0.5", "--redis-url", redis_url, "--queue", queue_name])
-        assert w.engine.counts["hit"] + w.engine.counts["memo"] > 0
+def test_demo_with_an_external_worker(redis_url, queue_name, capsys, engine):
+    port = free_port()
+    with InProcessWorker(redis_url, queue_name, lambda: engine, metrics_port=port):
+        rc = demo.main(["--seconds", "3", "--every-s", "1", "--redis-url", redis_url, "--queue", queue_name,
+                        "--metrics-url", f"http://127.0.0.1:{port}/metrics"])
+        assert engine.stats()["hits"] + engine.stats()["memo"] > 0
     out = capsys.readouterr().out
     assert rc == 0 and f"using the worker serving {queue_name}" in out
     assert "== done:" in out and " cold " in out
+    last = out.strip().splitlines()[-1]  # the summary read from the worker's metrics
+    assert last.lstrip().startswith("worker: ") and "tokens reused" in last and "checkpoints" in last, last
 
 
 def test_demo_starts_redis_and_the_worker(monkeypatch, capsys):
-    """No REDIS_URL: the demo starts a private redis-server and a worker process, and stops both."""
+    """No REDIS_URL: the demo starts a private redis-server and a worker process on the tiny model, and stops both."""
     monkeypatch.delenv("REDIS_URL", raising=False)
-    monkeypatch.setenv("STATECACHE_ENGINE", "tests.fakes:text_engine")
-    rc = demo.main(["--seconds", "1", "--every-s", "0.5", "--agents", "2"])
+    rc = demo.main(["--seconds", "2", "--every-s", "1", "--agents", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "started a private Redis" in out and "worker ready" in out and "== done:" in out
-
-
-def test_fake_engine_is_still_the_contract():
-    """The fake the worker tests use answers like the engine contract says (one result per row, in order)."""
-    engine = FakeEngine()
-    out = engine.answer([GOOD, {**GOOD, "ids": []}, GOOD])
-    assert [r.get("path") for r in out] == ["cold", None, "memo"] and out[1]["error"]["code"] == "empty"
+    assert out.strip().splitlines()[-1].lstrip().startswith("worker: "), out

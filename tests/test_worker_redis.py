@@ -1,7 +1,7 @@
-"""The worker and the producer library through a real Redis, with the fake engine (fast, no torch)."""
+"""The service contract through a real Redis, with the real engine on the tiny model: the bare arq
+`enqueue_job("answer", row)`, refused payloads, the Client's errors, results without the row, the backlog."""
 
 import asyncio
-import logging
 import pickle
 import time
 
@@ -9,9 +9,11 @@ import pytest
 from arq.connections import RedisSettings, create_pool
 from arq.jobs import Job
 
-from producer.client import AnswerTimeout, Client, RowRejected, WorkerError
-from producer.serial import deserialize, serialize
-from tests.fakes import FakeEngine, fake_probs
+import producer
+from producer.client import AnswerTimeout, Client, QueueUnavailable, RowRejected, WorkerError
+from producer.local_redis import LocalRedis
+from statecache.engine import Engine
+from statecache.protocol import RESULT_KEY_PREFIX, deserialize, serialize
 from tests.harness import InProcessWorker, wait_for
 from worker.backlog import Backlog
 
@@ -23,80 +25,97 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def long_row(state: int, q: int = 0, n: int = 300) -> dict:
+    return {"ids": [state] * n + [10 + q], "state_len": n, "slots": [n], "nopts": [3]}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine()
+
+
+@pytest.fixture
+def private_redis():
+    """A Redis of this test's own: the worker may serve arq's default queue there."""
+    with LocalRedis() as server:
+        yield server
+
+
 async def connect(redis_url, queue_name, **kw):
     return await Client.connect(redis_url, queue_name, **kw)
 
 
-def test_answers_through_the_queue(redis_url, queue_name, chatml_tokenizer):
-    engine = FakeEngine(tokenizer=chatml_tokenizer)
-    with InProcessWorker(redis_url, queue_name, lambda: engine):
+def test_bare_arq_pool_with_the_msgpack_pair(private_redis, engine):
+    """What an agent service writes: create_pool + enqueue_job("answer", row) + job.result(), nothing else set.
+    A pickled job (arq's default serialiser) fails with a message naming the fix; the next row is answered."""
+    url = private_redis.url
+    with InProcessWorker(url, producer.QUEUE_NAME, lambda: engine):
+
+        async def main():
+            pool = await create_pool(RedisSettings.from_dsn(url), job_serializer=producer.serialize,
+                                     job_deserializer=producer.deserialize)
+            pickler = await create_pool(RedisSettings.from_dsn(url))  # arq's default: pickle
+            try:
+                job = await pool.enqueue_job("answer", long_row(7))
+                first = await job.result(timeout=30, poll_delay=0.01)
+                stored = await pool.get(RESULT_KEY_PREFIX + job.job_id)
+                pickled = await pickler.enqueue_job("answer", long_row(7, 1))
+                with pytest.raises(RuntimeError) as refused:
+                    await pickled.result(timeout=30, poll_delay=0.01)
+                after = await (await pool.enqueue_job("answer", long_row(7, 2))).result(timeout=30, poll_delay=0.01)
+                text = await (await pool.enqueue_job("answer", TEXT)).result(timeout=30, poll_delay=0.01)
+                return first, stored, str(refused.value), after, text
+            finally:
+                await pool.aclose(close_connection_pool=True)
+                await pickler.aclose(close_connection_pool=True)
+
+        first, stored, refused, after, text = run(main())
+    assert first["path"] == "cold" and len(first["probs"][0]) == 3
+    want = Engine().answer([long_row(7)])[0]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(first["probs"][0], want["probs"][0]))
+    assert deserialize(stored)["a"] == []  # the stored result carries no copy of the row
+    assert "job_serializer=statecache.protocol.serialize" in refused and "pickle" in refused
+    assert after["path"] == "hit" and len(text["probs"][0]) == 2
+
+
+def test_undecodable_and_oversize_jobs(redis_url, queue_name, engine):
+    with InProcessWorker(redis_url, queue_name, lambda: engine, max_job_bytes=4096):
 
         async def main():
             async with await connect(redis_url, queue_name) as client:
-                token = await client.answer(ROW)
-                text = await client.answer_text(TEXT["state"], [("Log in?", ["yes", "no"])])
-                again = await client.answer(TEXT)
-                stats = await client.stats()
-                return token, text, again, stats
+                await client.pool.set("arq:job:junk", b"\xc1 not msgpack")
+                await client.pool.zadd(queue_name, {"junk": 1})
+                failed = Job("junk", client.pool, queue_name, _deserializer=deserialize)
+                with pytest.raises(Exception) as e:
+                    await failed.result(timeout=10, poll_delay=0.01)
+                with pytest.raises(RowRejected) as big:
+                    await client.answer({**ROW, "ids": list(range(2000)), "slots": [1999]})
+                return str(e.value), big.value, await client.answer(ROW)
 
-        token, text, again, stats = run(main())
-    assert token["probs"] == [fake_probs(ROW["ids"], 3, 2)] and token["path"] == "cold"
-    assert text["path"] == "cold" and again["path"] == "memo" and again["probs"] == text["probs"]
-    assert stats["engine"]["rows"] == 3 and stats["worker"]["rows"] == 3
-    assert engine.threads == {"statecache-gpu"}
+        refused, big, after = run(main())
+    assert "msgpack serialiser pair" in refused
+    assert big.code == "job_too_large" and "STATECACHE_MAX_JOB_BYTES" in big.message
+    assert "probs" in after
 
 
-def test_concurrent_jobs_meet_in_batches(redis_url, queue_name):
-    engine = FakeEngine(delay_s=0.03)
+def test_bad_rows_raise_row_rejected_and_the_worker_goes_on(redis_url, queue_name, engine):
     with InProcessWorker(redis_url, queue_name, lambda: engine):
-
-        async def main():
-            async with await connect(redis_url, queue_name) as client:
-                rows = [{**ROW, "ids": [s, s, s, q]} for s in range(1, 5) for q in range(8)]
-                return await asyncio.gather(*[client.answer(r) for r in rows])
-
-        results = run(main())
-    assert len(results) == 32 and all("probs" in r for r in results)
-    assert max(n for n, _ in engine.calls) > 1  # rows that waited together went in one engine call
-
-
-def test_bad_rows_raise_row_rejected_and_the_worker_goes_on(redis_url, queue_name):
-    with InProcessWorker(redis_url, queue_name, lambda: FakeEngine(vocab_size=50)):
 
         async def main():
             async with await connect(redis_url, queue_name) as client:
                 with pytest.raises(RowRejected) as e:
-                    await client.answer({**ROW, "ids": [1, 2, 3, 50]})
-                assert e.value.code == "id_out_of_range" and "ids[3] = 50" in e.value.message
+                    await client.answer({**ROW, "ids": [1, 2, 3, 10**6]})
+                assert e.value.code == "id_out_of_range" and "ids[3] = 1000000" in e.value.message
                 with pytest.raises(RowRejected, match="bad_nopts"):
                     await client.answer({**ROW, "nopts": [27]})
-                # a job with the wrong call shape, enqueued directly
                 job = await client.pool.enqueue_job("answer", ROW, ROW, _queue_name=queue_name)
                 assert (await job.result(timeout=10, poll_delay=0.01))["error"]["code"] == "bad_job"
-                return await client.answer(ROW)
+                with pytest.raises(WorkerError, match="not found"):
+                    await client._run("no_such_job", (), 10)
+                return await client.answer(ROW), await client.stats()
 
-        assert "probs" in run(main())
-
-
-def test_pickled_job_is_logged_and_skipped(redis_url, queue_name, caplog):
-    caplog.set_level(logging.INFO)
-    with InProcessWorker(redis_url, queue_name, FakeEngine):
-
-        async def main():
-            pickler = await create_pool(RedisSettings.from_dsn(redis_url), default_queue_name=queue_name)
-            try:
-                job = await pickler.enqueue_job("answer", ROW, _queue_name=queue_name)  # arq's default: pickle
-            finally:
-                await pickler.aclose(close_connection_pool=True)
-            async with await connect(redis_url, queue_name) as client:
-                failed = Job(job.job_id, client.pool, queue_name, _deserializer=deserialize)
-                with pytest.raises(Exception) as e:
-                    await failed.result(timeout=10, poll_delay=0.01)
-                assert "unable to deserialize job" in str(e.value)
-                return await client.answer(ROW)
-
-        assert "probs" in run(main())
-    assert "deserializing job" in caplog.text and "failed" in caplog.text
+        result, stats = run(main())
+    assert "probs" in result and stats["engine"]["rows"] >= 3 and stats["worker"]["batches"] >= 3
 
 
 def test_timeout_without_a_worker(redis_url, queue_name):
@@ -110,7 +129,7 @@ def test_timeout_without_a_worker(redis_url, queue_name):
     assert run(main()) < 2
 
 
-def test_expired_job_is_a_worker_error(redis_url, queue_name):
+def test_expired_job_is_not_run(redis_url, queue_name, engine):
     """A job whose producer gave up expires: a worker started later does not run it."""
 
     async def main():
@@ -118,26 +137,33 @@ def test_expired_job_is_a_worker_error(redis_url, queue_name):
             with pytest.raises(AnswerTimeout):
                 await client.answer(ROW, timeout_s=0.2)
             await asyncio.sleep(0.3)
-            job_ids = await client.pool.zrange(queue_name, 0, -1)
-            return client, job_ids
+            return await client.pool.zrange(queue_name, 0, -1)
 
-    _, job_ids = run(main())
-    assert len(job_ids) == 1
-    engine = FakeEngine()
+    assert len(run(main())) == 1
     with InProcessWorker(redis_url, queue_name, lambda: engine) as w:
         wait_for(lambda: w.worker.jobs_failed == 1, 10, "the expired job")
-    assert engine.calls == []
+        assert w.gpu.counters["rows"] == 0
 
 
-def test_worker_error_for_failed_job(redis_url, queue_name):
-    with InProcessWorker(redis_url, queue_name, FakeEngine):
+def test_client_raises_its_own_error_through_an_outage(engine):
+    """Redis goes away: the Client keeps trying until its timeout, then raises QueueUnavailable (an AnswerTimeout)."""
+    with LocalRedis() as server:
 
         async def main():
-            async with await connect(redis_url, queue_name) as client:
-                with pytest.raises(WorkerError, match="not found"):
-                    await client._run("no_such_job", (), 10)
+            client = await connect(server.url, "statecache:test:outage", timeout_s=1.5)
+            server.stop()
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(QueueUnavailable, match="Redis did not answer within 1.5 s") as e:
+                    await client.answer(ROW)
+            finally:
+                await client.close()
+            with pytest.raises(QueueUnavailable):
+                await connect(server.url, "statecache:test:outage", timeout_s=0.5)
+            return time.monotonic() - t0, e.value
 
-        run(main())
+        elapsed, err = run(main())
+    assert 1.4 < elapsed < 5 and isinstance(err, AnswerTimeout) and isinstance(err, producer.ClientError)
 
 
 def test_backlog_counts_ready_jobs_not_taken(redis_url, queue_name):
@@ -147,17 +173,17 @@ def test_backlog_counts_ready_jobs_not_taken(redis_url, queue_name):
             for _ in range(12):
                 await pool.enqueue_job("answer", ROW, _queue_name=queue_name)
             await pool.enqueue_job("answer", ROW, _queue_name=queue_name, _defer_by=60)  # not ready
-            backlog = Backlog(pool, queue_name, threshold_rows=8)
+            backlog = Backlog(pool, queue_name)
             assert await backlog.read() == 12
             backlog.in_flight = 5
-            assert await backlog.read() == 7 and not backlog.backed_up(1) and backlog.backed_up(2)
+            assert await backlog.read() == 7 and backlog.waiting(2) == 9
         finally:
             await pool.aclose(close_connection_pool=True)
 
     run(main())
 
 
-def test_pickled_payload_never_unpickled(redis_url, queue_name):
+def test_pickled_payload_never_unpickled():
     """A job payload that would run code if unpickled is refused by the msgpack deserialiser."""
 
     class Boom:

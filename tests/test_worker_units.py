@@ -1,4 +1,5 @@
-"""The worker's parts without Redis: the GPU thread, the backlog rule, the job function, the serialiser pair."""
+"""The worker's parts without Redis, around the real engine on the tiny model: the GPU thread, the job
+functions, the worker's serialiser pair, the metrics."""
 
 import asyncio
 import pickle
@@ -7,21 +8,41 @@ import threading
 import pytest
 from arq.worker import Retry
 
-from producer.serial import RemoteJobError, deserialize, serialize
-from tests.fakes import FakeEngine
+from statecache.engine import Engine
+from statecache.protocol import JOB_UNDECODABLE, RemoteJobError, deserialize, serialize
+from statecache.settings import Settings
+from tests.fakes import GatedEngine
 from worker.backlog import Backlog
 from worker.gpu_thread import GpuThread, Stopping
-from worker.jobs import answer, import_callable
+from worker.jobs import answer, import_callable, undecodable
+from worker.metrics import WorkerMetrics, engine_figures
+from worker.serial import JobRefused, job_deserializer, job_serializer
 
 ROW = {"ids": [1, 2, 3, 4], "state_len": 2, "slots": [3], "nopts": [2]}
+SETTINGS = Settings(metrics_port=0)
 
 
-def row(state: int, q: int = 0) -> dict:
-    return {"ids": [state, state, state, 10 + q], "state_len": 3, "slots": [3], "nopts": [3]}
+def row(state: int, q: int = 0, n: int = 300) -> dict:
+    """A row of a state of `n` tokens (cacheable past the tiny model's 256-token minimum) and one question."""
+    return {"ids": [state] * n + [10 + q], "state_len": n, "slots": [n], "nopts": [3]}
 
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine()
+
+
+async def entered(gated: GatedEngine, n: int = 1) -> None:
+    """Wait until the thread has taken `n` batches into the (gated) engine."""
+    for _ in range(1000):
+        if gated.entered >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the GPU thread never reached the engine")
 
 
 def started(engine, **kw) -> GpuThread:
@@ -30,89 +51,95 @@ def started(engine, **kw) -> GpuThread:
     return gpu
 
 
-def test_rows_wait_on_one_thread_and_come_back_in_order():
-    engine = FakeEngine(delay_s=0.05)
-    gpu = started(engine)
+def test_rows_wait_on_one_thread_and_come_back_in_order(engine):
+    gated = GatedEngine(engine)
+    gated.gate.clear()
+    gpu = started(gated)
 
     async def main():
-        first = asyncio.ensure_future(gpu.answer(row(1)))
-        await asyncio.sleep(0.01)  # the thread is busy with the first row; the rest queue up
-        rest = [gpu.answer(row(s, q)) for s in (2, 3) for q in range(3)]
+        first = asyncio.ensure_future(gpu.answer(row(101)))
+        await entered(gated)  # the first row is in the engine, held at the gate
+        rest = [asyncio.ensure_future(gpu.answer(row(s, q))) for s in (102, 103) for q in range(3)]
+        await asyncio.sleep(0.05)  # the thread is held on the first row; the rest queue up
+        gated.gate.set()
         return [await first] + list(await asyncio.gather(*rest))
 
     results = run(main())
     assert gpu.stop(5)
-    assert engine.threads == {"statecache-gpu"}
-    assert [n for n, _ in engine.calls] == [1, 6]  # everything that was ready went in one call
+    assert gated.threads == {"statecache-gpu"}
+    assert [n for n, _ in gated.calls] == [1, 6]  # everything that was ready went in one call
     assert [r["path"] for r in results] == ["cold", "cold", "hit", "hit", "cold", "hit", "hit"]
     assert gpu.counters["batches"] == 2 and gpu.counters["largest_batch"] == 6
+    direct = Engine()
+    assert results[3]["probs"][0] == pytest.approx(direct.answer([row(102, 2)])[0]["probs"][0], abs=1e-5)
 
 
-def test_backed_up_is_asked_with_the_rows_waiting():
+def test_waiting_rows_reach_the_engine(engine):
     seen = []
-    engine = FakeEngine()
-    engine.release.clear()
-    gpu = started(engine, backed_up=lambda n: seen.append(n) or n > 2)
+    gated = GatedEngine(engine)
+    gated.gate.clear()
+    gpu = started(gated, waiting=lambda pending: seen.append(pending) or pending + 10)
 
     async def main():
-        tasks = [asyncio.ensure_future(gpu.answer(row(0)))]
-        await asyncio.sleep(0.02)  # the first row's batch is blocked in the engine
-        tasks += [asyncio.ensure_future(gpu.answer(row(s))) for s in range(1, 5)]
-        await asyncio.sleep(0.02)
-        engine.release.set()
+        tasks = [asyncio.ensure_future(gpu.answer(row(200)))]
+        await entered(gated)  # the first row's batch is blocked in the engine
+        tasks += [asyncio.ensure_future(gpu.answer(row(s))) for s in range(201, 205)]
+        await asyncio.sleep(0.05)
+        gated.gate.set()
         return await asyncio.gather(*tasks)
 
     results = run(main())
     gpu.stop(5)
-    assert seen == [1, 4] and engine.calls == [(1, False), (4, True)]
-    assert [r["path"] for r in results[1:]] == ["cold"] * 4  # a backlog no longer sends new states plain
+    # the first batch saw 4 rows queued behind it (when it asked, after the gate) or none; the second none
+    assert gated.calls[-1] == (4, 10) and seen[-1] == 0
+    assert [r["path"] for r in results[1:]] == ["cold"] * 4  # a backlog does not send new states plain
 
 
-def test_engine_exception_costs_only_the_bad_row(caplog):
-    gpu = started(FakeEngine(fail_on_state_len=1))
+def test_engine_exception_costs_only_the_bad_row(engine, caplog):
+    gpu = started(GatedEngine(engine, fail_when=lambda r: r["ids"][0] == 5))
     bad = {"ids": [5, 6], "state_len": 1, "slots": [1], "nopts": [2]}
 
     async def main():
-        return await asyncio.gather(*[gpu.answer(r) for r in (row(1), bad, row(2))])
+        return await asyncio.gather(*[gpu.answer(r) for r in (row(301), bad, row(302))])
 
     good1, err, good2 = run(main())
     gpu.stop(5)
-    assert err["error"]["code"] == "internal" and "fake engine failure" in err["error"]["message"]
+    assert err["error"]["code"] == "internal" and "engine failure (test)" in err["error"]["message"]
     assert "probs" in good1 and "probs" in good2
-    assert gpu.counters["engine_errors"] == 1
+    assert gpu.counters["engine_errors"] >= 1
     assert "engine failed" in caplog.text
 
 
-def test_bad_rows_get_error_results():
-    gpu = started(FakeEngine(vocab_size=50))
+def test_bad_rows_get_error_results(engine):
+    gpu = started(engine)
 
     async def main():
-        return await asyncio.gather(gpu.answer({**ROW, "ids": [1, 2, 3, 99]}), gpu.answer(ROW))
+        return await asyncio.gather(gpu.answer({**ROW, "ids": [1, 2, 3, 10**6]}), gpu.answer(ROW))
 
     bad, good = run(main())
     gpu.stop(5)
     assert bad["error"]["code"] == "id_out_of_range" and "probs" in good
 
 
-def test_call_runs_on_the_thread_and_cancelled_rows_are_skipped():
-    engine = FakeEngine()
-    engine.release.clear()
-    gpu = started(engine)
+def test_call_runs_on_the_thread_and_cancelled_rows_are_skipped(engine):
+    gated = GatedEngine(engine)
+    gated.gate.clear()
+    gpu = started(gated)
 
     async def main():
-        blocker = asyncio.ensure_future(gpu.answer(row(1)))
-        await asyncio.sleep(0.02)
-        doomed = asyncio.ensure_future(gpu.answer(row(2)))
+        blocker = asyncio.ensure_future(gpu.answer(row(401)))
+        await entered(gated)
+        doomed = asyncio.ensure_future(gpu.answer(row(402)))
         await asyncio.sleep(0.01)
         doomed.cancel()
         name = asyncio.ensure_future(gpu.call(lambda e: threading.current_thread().name))
         await asyncio.sleep(0.01)
-        engine.release.set()
+        gated.gate.set()
         return await blocker, await name
 
     _, name = run(main())
     gpu.stop(5)
-    assert name == "statecache-gpu" and engine.calls == [(1, False)]
+    assert name == "statecache-gpu" and [n for n, _ in gated.calls] == [1]
 
 
 def test_start_failure_is_raised():
@@ -123,57 +150,66 @@ def test_start_failure_is_raised():
         GpuThread(broken).start()
 
 
-def test_stop_cancels_rows_still_waiting():
-    engine = FakeEngine()
-    engine.release.clear()
-    gpu = started(engine)
+def test_stop_cancels_rows_still_waiting(engine):
+    gated = GatedEngine(engine)
+    gated.gate.clear()
+    gpu = started(gated)
 
     async def main():
-        first = asyncio.ensure_future(gpu.answer(row(1)))
-        await asyncio.sleep(0.02)
-        second = asyncio.ensure_future(gpu.answer(row(2)))
+        first = asyncio.ensure_future(gpu.answer(row(501)))
+        await entered(gated)
+        second = asyncio.ensure_future(gpu.answer(row(502)))
         await asyncio.sleep(0.01)
         stopper = asyncio.ensure_future(asyncio.to_thread(gpu.stop, 5))
         await asyncio.sleep(0.02)
-        engine.release.set()
+        gated.gate.set()
         assert await stopper
         assert (await first)["path"] == "cold"  # the running batch finished
         with pytest.raises(asyncio.CancelledError):
             await second  # the waiting one is cancelled: arq re-queues its job
         with pytest.raises(Stopping):
-            await gpu.answer(row(3))
+            await gpu.answer(row(503))
         with pytest.raises(Retry):
-            await answer({"gpu": gpu}, row(3))  # arq puts the job back on the queue
+            await answer({"gpu": gpu, "settings": SETTINGS}, row(503))  # arq puts the job back on the queue
 
     run(main())
 
 
-def test_backlog_rule():
-    b = Backlog(redis=None, queue_name="q", threshold_rows=8)
-    assert not b.backed_up(8) and b.backed_up(9)
+def test_a_row_that_does_not_reach_the_model_goes_back_to_the_queue(engine):
+    """A job is never failed for waiting: past half its timeout without reaching the model it is re-queued."""
+    gated = GatedEngine(engine)
+    gated.gate.clear()
+    gpu = started(gated)
+    ctx = {"gpu": gpu, "settings": Settings(metrics_port=0, job_timeout_s=0.4)}
+
+    async def main():
+        blocker = asyncio.ensure_future(gpu.answer(row(61)))
+        await entered(gated)
+        with pytest.raises(Retry):
+            await answer(ctx, row(62))
+        assert gpu.pending() == 0  # withdrawn
+        gated.gate.set()
+        return await blocker
+
+    assert "probs" in run(main())
+    gpu.stop(5)
+    assert [n for n, _ in gated.calls] == [1]
+
+
+def test_backlog_counts():
+    b = Backlog(redis=None, queue_name="q")
     b.queued = 5
-    assert b.waiting(3) == 8 and not b.backed_up(3) and b.backed_up(4)
+    assert b.waiting(3) == 8
 
 
-def test_answer_job_checks_its_call_shape():
-    class Gpu:
-        async def answer(self, r):
-            return {"got": r}
-
-    ctx = {"gpu": Gpu()}
-    assert run(answer(ctx, ROW)) == {"got": ROW}
-    assert run(answer(ctx, row=ROW)) == {"got": ROW}
+def test_answer_job_checks_its_call_shape(engine):
+    gpu = started(engine)
+    ctx = {"gpu": gpu, "settings": SETTINGS}
+    assert "probs" in run(answer(ctx, ROW)) and "probs" in run(answer(ctx, row=ROW))
     assert run(answer(ctx))["error"]["code"] == "bad_job"
     assert run(answer(ctx, ROW, ROW))["error"]["code"] == "bad_job"
     assert run(answer(ctx, [1, 2]))["error"]["code"] == "bad_row"
-
-
-def test_answer_job_turns_exceptions_into_results():
-    class Gpu:
-        async def answer(self, r):
-            raise KeyError("boom")
-
-    assert run(answer({"gpu": Gpu()}, ROW))["error"]["code"] == "internal"
+    gpu.stop(5)
 
 
 def test_serial_round_trip_and_pickle_refused():
@@ -189,6 +225,57 @@ def test_serial_round_trip_and_pickle_refused():
     assert deserialize(serialize({"p": np.array([0.5, 0.5])})) == {"p": [0.5, 0.5]}
 
 
+def test_worker_decoding_never_fails_and_names_the_fix():
+    decode = job_deserializer(1000)
+    job = {"t": 1, "f": "answer", "a": [ROW], "k": {}, "et": 123}
+    assert decode(serialize(job)) == job
+    for bad in (pickle.dumps(job), pickle.dumps(job, protocol=0), b"\xc1garbage", serialize([1, 2]), serialize({"f": 1})):
+        stand_in = decode(bad)
+        assert stand_in["f"] == JOB_UNDECODABLE and "job_serializer=statecache.protocol.serialize" in stand_in["k"]["message"]
+    assert decode(pickle.dumps(job))["k"]["pickled"] is True
+    big = decode(serialize({**job, "a": [{"ids": list(range(1000))}]}))
+    assert big["k"]["code"] == "job_too_large" and "STATECACHE_MAX_JOB_BYTES" in big["k"]["message"]
+    assert run(undecodable({}, **big["k"]))["error"]["code"] == "job_too_large"
+    with pytest.raises(JobRefused, match="msgpack serialiser pair"):
+        run(undecodable({}, **decode(pickle.dumps(job))["k"]))
+
+
+def test_results_carry_no_row_and_pickled_jobs_hear_back_in_pickle():
+    result = {"t": 1, "s": True, "r": {"probs": [[1.0]]}, "f": "answer", "a": [ROW], "k": {"x": 1}, "et": 1, "st": 2, "ft": 3}
+    stored = deserialize(job_serializer(result))
+    assert stored["a"] == [] and stored["k"] == {} and stored["r"] == result["r"]
+    refused = {**result, "s": False, "r": JobRefused("use the msgpack pair", pickled=True)}
+    back = pickle.loads(job_serializer(refused))  # what arq's default (pickle) client reads
+    assert isinstance(back["r"], RuntimeError) and "msgpack pair" in str(back["r"])
+
+
+def test_metrics_read_engine_stats_defensively():
+    assert engine_figures({})["cache_used_bytes"] == 0
+    f = engine_figures({"cache": {"bytes": 10, "mb": 1, "evicted": 2, "captures": 3, "capture_s": 1.5, "rows": 4},
+                        "plain_graphs": {"captures": 1, "capture_s": 0.5}, "new_key": object()})
+    assert f["cache_budget_bytes"] == 2**20 and f["graph_captures"] == 4 and f["graph_capture_seconds"] == 2.0
+    assert f["device_memory_bytes"] == {} and f["batched_forwards"] == 0
+    # the engine's budget, batched-continuation graphs, precapture and device memory (statecache.engine.stats)
+    f = engine_figures({"cache": {"mb": 1, "captures": 3, "capture_s": 1.5, "batch": {"captures": 2, "capture_s": 1.0,
+                                                                                     "forwards": 5, "sequences": 9}},
+                        "budget": {"mb": 3, "states_4k": 2.5}, "load_s": 4.0,
+                        "precapture": {"graphs": 3, "seconds": 1.5, "batch": {"graphs": 2, "seconds": 1.0}},
+                        "device_memory_mb": {"allocated": 2.0, "total": 8.0}})
+    assert f["cache_budget_bytes"] == 3 * 2**20 and f["cache_budget_states_4k"] == 2.5
+    assert (f["graph_captures"], f["graph_capture_seconds"], f["batched_forwards"], f["batched_sequences"]) == (5, 2.5, 5, 9)
+    assert f["engine_load_seconds"] == 4.0 and f["precapture_seconds"] == 2.5
+    assert f["device_memory_bytes"] == {"allocated": 2 * 2**20, "total": 8 * 2**20}
+    m = WorkerMetrics(inert_rows=3)
+    m.batch([{}], {"cache": {"mb": 1, "rows": 1, "cold": 1}})
+    assert m.inert._value.get() == 0
+    m.batch([{}], {"cache": {"mb": 1, "rows": 5, "cold": 1}})  # 4 rows asked, nothing planted or reused
+    assert m.inert._value.get() == 1
+    m.batch([{}], {"cache": {"mb": 1, "rows": 6, "cold": 1, "hits": 1}})
+    assert m.inert._value.get() == 0
+    m.batch([{}], {"cache": {"mb": 0}})
+    assert m.inert._value.get() == 1
+
+
 def test_import_callable():
-    assert import_callable("tests.fakes:FakeEngine") is FakeEngine
+    assert import_callable("tests.fakes:GatedEngine") is GatedEngine
     assert import_callable("os.path:join.__name__") == "join"

@@ -1,6 +1,6 @@
 """The statecache worker: `arq worker.WorkerSettings` (health check: `arq worker.WorkerSettings --check`).
 
-`WorkerSettings` is loaded on first access, so `worker.constants` stays cheap to import for producers.
+`WorkerSettings` is built on first access (it reads the environment through statecache.settings).
 """
 
 

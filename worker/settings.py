@@ -1,8 +1,11 @@
-"""`arq worker.WorkerSettings`: the arq settings of the statecache worker, built from a `Config`.
+"""`arq worker.WorkerSettings`: the arq settings of the statecache worker, built from `statecache.settings.Settings`.
 
 arq reads a settings class's own `__dict__` (inherited attributes are ignored), so `WorkerSettings` is made
-with every setting as its own attribute. `worker_settings(config)` gives the same as a dict, for running a
-worker in-process (`arq.worker.create_worker(worker_settings(config), ...)`).
+with every setting as its own attribute. `worker_settings(settings)` gives the same as a dict, for running a
+worker in-process (`arq.worker.create_worker(worker_settings(settings), ...)`). The Redis client is
+worker.resilient's (it waits out a Redis restart); `redis_settings` stays for `arq ... --check`.
+
+Knows arq's settings; the values come from Settings.
 """
 
 from __future__ import annotations
@@ -10,32 +13,50 @@ from __future__ import annotations
 from arq.connections import RedisSettings
 from arq.worker import func
 
-from producer.serial import deserialize, serialize
-from worker import constants as C
-from worker.config import Config
-from worker.jobs import answer, job_ended, job_started, shutdown, startup, stats
+from statecache.protocol import JOB_ANSWER, JOB_STATS, JOB_UNDECODABLE
+from statecache.settings import Settings
+from worker.jobs import answer, job_ended, job_started, shutdown, startup, stats, undecodable
+from worker.resilient import ResilientRedis
+from worker.serial import job_deserializer, job_serializer
+
+KEEP_RESULT_S = 600.0  # results stay in Redis this long for the producer to read
+MAX_TRIES = 5  # a job cancelled (shutdown), re-queued (waited too long) or lost (killed worker) runs again up to this
 
 
-def worker_settings(config: Config) -> dict:
+def worker_settings(settings: Settings) -> dict:
+    pool = ResilientRedis.from_dsn(settings.redis_url)
+    pool.job_serializer = job_serializer
+    pool.job_deserializer = job_deserializer(settings.max_job_bytes)
+    pool.default_queue_name = settings.queue
     return {
-        "functions": [func(answer, name=C.JOB_ANSWER), func(stats, name=C.JOB_STATS, max_tries=1)],
-        "redis_settings": RedisSettings.from_dsn(config.redis_url),
-        "queue_name": config.queue_name,
-        "job_serializer": serialize,
-        "job_deserializer": deserialize,
-        "poll_delay": config.poll_delay_s,
-        "max_jobs": config.max_jobs,
-        "job_timeout": config.job_timeout_s,
-        "keep_result": C.KEEP_RESULT_S,
-        "max_tries": C.MAX_TRIES,
-        "health_check_interval": config.health_interval_s,
-        "job_completion_wait": config.drain_s,  # SIGTERM: finish in-flight jobs for up to this long
+        "functions": [
+            func(answer, name=JOB_ANSWER),
+            func(stats, name=JOB_STATS, max_tries=1),
+            func(undecodable, name=JOB_UNDECODABLE, max_tries=1),
+        ],
+        "redis_settings": RedisSettings.from_dsn(settings.redis_url),
+        "redis_pool": pool,
+        "queue_name": settings.queue,
+        "job_serializer": job_serializer,
+        "job_deserializer": job_deserializer(settings.max_job_bytes),
+        "poll_delay": settings.poll_delay_s,
+        "max_jobs": settings.max_jobs,
+        "job_timeout": settings.job_timeout_s,
+        "keep_result": KEEP_RESULT_S,
+        "max_tries": MAX_TRIES,
+        "health_check_interval": settings.health_interval_s,
+        "job_completion_wait": settings.drain_s,  # SIGTERM: finish in-flight jobs for up to this long
         "on_startup": startup,
         "on_shutdown": shutdown,
         "on_job_start": job_started,
         "after_job_end": job_ended,
-        "ctx": {"config": config},
+        "ctx": {"settings": settings},
     }
 
 
-WorkerSettings = type("WorkerSettings", (), worker_settings(Config.from_env()))
+def __getattr__(name: str):
+    if name == "WorkerSettings":  # built on first use: reading the environment warns about unknown settings once
+        global WorkerSettings
+        WorkerSettings = type("WorkerSettings", (), worker_settings(Settings.from_env()))
+        return WorkerSettings
+    raise AttributeError(f"module 'worker.settings' has no attribute {name!r}")

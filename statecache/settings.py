@@ -1,0 +1,167 @@
+"""Every setting of statecache, one typed object read from the environment in one place.
+
+`Settings.from_env()` reads `REDIS_URL` and the `STATECACHE_*` variables (each field's `env` metadata), checks
+their types and warns about `STATECACHE_*` variables it does not know (a typo would otherwise be ignored).
+Everything else takes a `Settings` (or the values in it) as arguments: this is the only module of the
+project that reads `os.environ` (tests/test_service_rules.py checks that). The README's settings table lists
+these fields exactly (also checked).
+
+Knows the variables, their types and defaults; knows nothing of the engine, arq or Redis beyond the names.
+The cache's own defaults are those of statecache.cache.CacheSettings (a test checks they agree; importing
+that module here would load torch for every producer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .protocol import QUEUE_NAME
+
+log = logging.getLogger("statecache.settings")
+PREFIX = "STATECACHE_"
+
+
+def _f(default: Any, env: str, doc: str):
+    return field(default=default, metadata={"env": env, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- Redis and the queue
+    redis_url: str = _f("redis://localhost:6379/0", "REDIS_URL", "Redis of the queue (arq's DSN form; AUTH and TLS as in the URL)")
+    queue: str = _f(QUEUE_NAME, "STATECACHE_QUEUE", "arq queue the worker serves (default: arq's own default queue)")
+    # --- the model and the engine
+    model: str | None = _f(None, "STATECACHE_MODEL", "Hugging Face Qwen3.5 checkpoint folder (default: the built-in tiny model)")
+    device: str | None = _f(None, "STATECACHE_DEVICE", "cuda or cpu (default: cuda when available)")
+    dtype: str | None = _f(None, "STATECACHE_DTYPE", "float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
+    home: str | None = _f(None, "STATECACHE_HOME", "where the built-in tiny model is written (default: ~/.cache/statecache)")
+    engine: str = _f("statecache.engine:Engine.from_settings", "STATECACHE_ENGINE",
+                     "import path `module:callable` that builds the engine; called with this Settings object")
+    cold_ok: str = _f("", "STATECACHE_COLD_OK", "import path of the cold_ok policy (default: statecache.policy.PlantWhenItFits)")
+    compile: bool | None = _f(None, "STATECACHE_COMPILE", "torch.compile the elementwise kernels (default: on cuda)")
+    precapture: bool = _f(True, "STATECACHE_PRECAPTURE", "capture every CUDA graph before serving (no-op on the CPU)")
+    specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; README: Specialists; default: none)")
+    batch: int = _f(64, "STATECACHE_BATCH", "most rows of saved states run in one batched forward (0: one at a time)")
+    max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")
+    # --- the state cache
+    cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")
+    cache_fraction: float = _f(0.9, "STATECACHE_CACHE_FRACTION", "share of free device memory the cache may take when CACHE_MB is unset")
+    cache_stride: int = _f(2048, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
+    cache_tail: int = _f(16, "STATECACHE_CACHE_TAIL", "and one this many tokens before the state's end (0: none)")
+    cache_align: int = _f(64, "STATECACHE_CACHE_ALIGN", "checkpoint positions are multiples of this")
+    cache_min_prefix: int = _f(256, "STATECACHE_CACHE_MIN_PREFIX", "shorter states take the plain path")
+    cache_max_slots: int = _f(4, "STATECACHE_CACHE_MAX_SLOTS", "answer slots a cached row may have")
+    # --- the worker
+    max_jobs: int = _f(32, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
+    poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "arq polls the queue this often")
+    job_timeout_s: float = _f(120.0, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")
+    drain_s: float = _f(30.0, "STATECACHE_DRAIN_S", "on SIGTERM: finish rows in flight for up to this long, then exit")
+    health_interval_s: float = _f(5.0, "STATECACHE_HEALTH_INTERVAL_S", "the health key is refreshed this often")
+    metrics_port: int = _f(9400, "STATECACHE_METRICS_PORT", "Prometheus metrics on this port (0: off)")
+    max_job_bytes: int = _f(16 * 2**20, "STATECACHE_MAX_JOB_BYTES", "larger job payloads are refused before decoding")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, warn_unknown: bool = True, **overrides: Any) -> "Settings":
+        """The settings in `environ` (default: the process environment), then `overrides` (field names)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f.metadata["env"], "").strip()
+            if raw:
+                values[f.name] = _parse(f.metadata["env"], raw, f.type)
+        if warn_unknown:
+            for name in unknown_variables(env):
+                log.warning("unknown setting %s ignored (known: see `statecache.settings.Settings` or the README)", name)
+        return cls(**{**values, **overrides})
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    def cache_settings(self):
+        """statecache.cache.CacheSettings from these settings (imports torch)."""
+        from .cache import CacheSettings
+
+        kw = dict(stride=self.cache_stride, tail=self.cache_tail, align=self.cache_align,
+                  min_prefix=self.cache_min_prefix, max_slots=self.cache_max_slots)
+        if self.cache_mb is not None:
+            kw["mb"] = self.cache_mb
+        return CacheSettings(**kw)
+
+
+def _parse(name: str, raw: str, typ: Any) -> Any:
+    t = str(typ)
+    try:
+        if "bool" in t:
+            low = raw.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if "int" in t:
+            return int(raw)
+        if "float" in t:
+            return float(raw)
+        return raw
+    except ValueError:
+        kind = "bool" if "bool" in t else "int" if "int" in t else "float"
+        raise ValueError(f"{name}={raw!r} is not a valid {kind}") from None
+
+
+def env_names() -> dict[str, str]:
+    """Environment variable -> field name."""
+    return {f.metadata["env"]: f.name for f in dataclasses.fields(Settings)}
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    env = os.environ if environ is None else environ
+    known = env_names()
+    return sorted(k for k in env if k.startswith(PREFIX) and k not in known)
+
+
+def table() -> list[tuple[str, str, Any, str]]:
+    """(variable, field, default, what it does) for every setting, as the README lists them."""
+    return [(f.metadata["env"], f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(Settings)]
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if value == "":
+        return "empty"
+    return f"`{value}`"
+
+
+def markdown_table() -> str:
+    """The README's settings table (tests/test_rules.py checks the README carries exactly this)."""
+    lines = ["| variable | setting | default | what it does |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{env}` | `{name}` | {_show(default)} | {doc} |" for env, name, default, doc in table()]
+    return "\n".join(lines)
+
+
+def env_home() -> str | None:
+    """STATECACHE_HOME alone (the tiny model's folder), without reading or checking the other settings."""
+    return os.environ.get("STATECACHE_HOME") or None
+
+
+def setdefault_env(values: Mapping[str, str]) -> dict[str, str]:
+    """Set each variable of `values` the environment leaves unset (other libraries' settings, e.g. the compile
+    caches' folders: statecache.compile_cache); returns each as it now stands."""
+    for name, value in values.items():
+        if not os.environ.get(name):
+            os.environ[name] = value
+    return {name: os.environ[name] for name in values}
+
+
+def is_set(name: str) -> bool:
+    """Whether the environment sets `name` (to something not blank)."""
+    return bool(os.environ.get(name, "").strip())
+
+
+def child_env(**overrides: Any) -> dict[str, str]:
+    """This process's environment with `overrides` (variable names), for a worker started as a subprocess."""
+    return {**os.environ, **{k: str(v) for k, v in overrides.items() if v is not None}}

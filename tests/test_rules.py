@@ -1,0 +1,127 @@
+"""House rules checked on the source: import directions, one module reads the environment, one settings object
+that the README documents exactly, one wire protocol."""
+
+import ast
+import dataclasses
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from statecache import protocol
+from statecache.settings import Settings, markdown_table, unknown_variables
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("statecache", "worker", "producer")
+
+
+def sources(package: str):
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def imported_top_levels(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package,forbidden", [("statecache", {"worker", "producer"}), ("worker", {"producer"}),
+                                               ("producer", {"worker"})])
+def test_import_directions(package, forbidden):
+    bad = {str(p.relative_to(ROOT)): imported_top_levels(p) & forbidden for p in sources(package)}
+    assert not {k: v for k, v in bad.items() if v}
+
+
+def test_the_library_loads_without_the_service():
+    """Importing every statecache module (the CLI included) loads neither the worker nor the producer."""
+    mods = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in sources("statecache")]
+    code = "import sys\n" + "".join(f"import {m}\n" for m in mods if not m.endswith("__main__")) + (
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('worker', 'producer')]\nassert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+
+
+def test_one_module_reads_the_environment():
+    readers = []
+    for package in PACKAGES:
+        for p in sources(package):
+            text = p.read_text()
+            if re.search(r"os\.environ|getenv\(|from os import environ", text) and p != ROOT / "statecache/settings.py":
+                readers.append(str(p.relative_to(ROOT)))
+    assert readers == []
+
+
+def test_readme_lists_every_setting_exactly():
+    readme = (ROOT / "README.md").read_text()
+    assert markdown_table() in readme
+    documented = set(re.findall(r"^\| `((?:STATECACHE_|REDIS_)[A-Z_]+)` \|", readme, re.M))
+    assert documented == {f.metadata["env"] for f in dataclasses.fields(Settings)}
+
+
+def test_cache_defaults_agree_with_the_cache():
+    from statecache.cache import CacheSettings
+
+    s, c = Settings(), CacheSettings()
+    assert (s.cache_stride, s.cache_tail, s.cache_align, s.cache_min_prefix, s.cache_max_slots) == (
+        c.stride, c.tail, c.align, c.min_prefix, c.max_slots)
+    assert dataclasses.asdict(Settings(cache_mb=7).cache_settings())["mb"] == 7
+    assert Settings().cache_settings().mb == c.mb  # unset: the cache's own default (sized from the device later)
+
+
+def test_settings_from_the_environment(caplog):
+    env = {"STATECACHE_CACHE_MB": "64", "STATECACHE_PRECAPTURE": "off", "STATECACHE_QUEUE": "q1",
+           "STATECACHE_JOB_TIMEOUT_S": "2.5", "STATECACHE_CAHCE_MB": "1", "REDIS_URL": "redis://h:1/2", "OTHER": "x"}
+    with caplog.at_level(logging.WARNING, "statecache.settings"):
+        s = Settings.from_env(env)
+    assert (s.cache_mb, s.precapture, s.queue, s.job_timeout_s, s.redis_url) == (64, False, "q1", 2.5, "redis://h:1/2")
+    assert "STATECACHE_CAHCE_MB" in caplog.text and unknown_variables(env) == ["STATECACHE_CAHCE_MB"]
+    with pytest.raises(ValueError, match="STATECACHE_MAX_JOBS='many' is not a valid int"):
+        Settings.from_env({"STATECACHE_MAX_JOBS": "many"})
+    with pytest.raises(ValueError, match="STATECACHE_COMPILE='maybe' is not a valid bool"):
+        Settings.from_env({"STATECACHE_COMPILE": "maybe"})
+    assert Settings().queue == "arq:queue"  # arq's default queue: a bare enqueue_job reaches the worker
+
+
+def test_engine_is_built_from_the_settings():
+    from statecache.engine import Engine
+    from statecache.policy import PlantWhenItFits
+
+    s = Settings(cache_mb=3, cache_stride=1024, cache_max_slots=2, max_row_tokens=999, batch=4,
+                 cold_ok="statecache.policy:PlantWhenItFits", cache_fraction=0.5)
+    e = Engine.from_settings(s)
+    assert (e.cache.s.mb, e.cache.s.stride, e.cache.s.max_slots, e.max_row_tokens) == (3, 1024, 2, 999)
+    assert e.budget.mb == 3 and e.cache.batch.max_batch == 4
+    assert isinstance(e.cold_ok, PlantWhenItFits) and e.cache_fraction == 0.5
+    unset = Engine.from_settings(Settings(batch=0, cache_stride=1024))  # no CACHE_MB: the budget is the device's
+    assert unset.cache.batch is None and unset.cache.s.stride == 1024 and unset.budget.mb == Engine().budget.mb
+
+
+def test_every_row_error_code_is_in_the_protocol():
+    codes = set()
+    for name in ("rows.py", "text.py", "images.py"):
+        codes |= set(re.findall(r'RowError\("([a-z_]+)"', (ROOT / "statecache" / name).read_text()))
+    assert codes and codes <= set(protocol.ERROR_CODES)
+
+
+def test_the_demo_subcommand_lives_outside_the_library(capsys):
+    """`statecache demo` is dispatched by producer.console (the console script), `statecache score` by the library."""
+    from producer import console
+
+    with pytest.raises(SystemExit) as e:
+        console.main(["demo", "--help"])
+    assert e.value.code == 0 and "--agents" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        console.main(["score", "--help"])
+    assert e.value.code == 0 and "--no-precapture" in capsys.readouterr().out
+
+
+def test_agent_side_and_worker_settings_load_without_torch():
+    """An agent service importing `producer` (or arq's CLI loading the worker's settings) does not load torch."""
+    code = "import sys, producer, producer.cli, worker.settings\nassert 'torch' not in sys.modules\n"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})

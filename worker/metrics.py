@@ -1,0 +1,200 @@
+"""The worker's Prometheus metrics (`STATECACHE_METRICS_PORT`, `GET /metrics`), named as operators know them from
+vLLM and SGLang (`<engine>:<what>_<unit>`).
+
+Per row, from the results the GPU thread hands back (so the counts equal the rows answered):
+  statecache:rows_total{path}                 rows answered, by path (memo, hit, partial, cold, plain; error)
+  statecache:row_errors_total{code}           rows answered with an error result, by code
+  statecache:tokens_reused_total              tokens restored from saved states
+  statecache:tokens_computed_total            tokens run through the model
+  statecache:batch_size_rows                  histogram: rows per engine call
+  statecache:row_latency_seconds{path}        histogram: enqueue to answer, by path
+  statecache:queue_time_seconds               histogram: enqueue to the row reaching the model
+  statecache:engine_time_seconds              histogram: the engine time of the batch the row was in
+From the last `engine.stats()` snapshot (read defensively: absent keys read as 0):
+  statecache:cache_used_bytes, statecache:cache_budget_bytes (the sized budget, statecache.budget),
+  statecache:cache_budget_states_4k, statecache:cache_checkpoints, statecache:cache_evictions_total,
+  statecache:graph_captures_total, statecache:graph_capture_seconds_total (chunk, batched and plain graphs;
+  precapture included), statecache:batched_forwards_total, statecache:batched_sequences_total (batched
+  continuations, statecache.batch), statecache:engine_load_seconds (weights), statecache:precapture_seconds,
+  statecache:device_memory_bytes{kind} (allocated, reserved, peak_allocated, free, total; CUDA only)
+From the worker:
+  statecache:queue_waiting_rows               ready jobs in Redis nobody took + rows queued for the GPU thread
+  statecache:worker_ready                     1 once the engine is built (graphs captured) and jobs are taken
+  statecache:redis_up                         0 while Redis does not answer
+  statecache:cache_inert                      1 when nothing was planted or reused over the last
+                                              `inert_rows` rows the cache was asked about, or it has no budget
+                                              (also a warning in the log)
+
+Knows prometheus_client and the shape of results and engine stats; does not know Redis, arq or the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("statecache.worker")
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+INERT_ROWS = 200  # the cache is inert when this many rows it was asked about planted and reused nothing
+
+
+def _num(d: Any, *keys: str) -> float:
+    """d[k0][k1]... as a number, 0 when any level is missing or not a number."""
+    for k in keys:
+        if not isinstance(d, dict):
+            return 0.0
+        d = d.get(k)
+    return float(d) if isinstance(d, (int, float)) and not isinstance(d, bool) else 0.0
+
+
+def engine_figures(stats: dict) -> dict:
+    """The figures the metrics and the demo read from `engine.stats()`."""
+    stats = stats if isinstance(stats, dict) else {}
+    cache = stats.get("cache", {})
+    budget = _num(stats, "budget", "mb") * 2**20 or _num(cache, "budget_bytes") or _num(cache, "mb") * 2**20
+    return {
+        "cache_used_bytes": _num(cache, "bytes"),
+        "cache_budget_bytes": budget,
+        "cache_budget_states_4k": _num(stats, "budget", "states_4k"),
+        "cache_checkpoints": _num(cache, "checkpoints"),
+        "cache_evictions": _num(cache, "evicted"),
+        "graph_captures": sum(_num(d, "captures") for d in (cache, cache.get("batch"), stats.get("plain_graphs"))),
+        "graph_capture_seconds": sum(_num(d, "capture_s") for d in (cache, cache.get("batch"), stats.get("plain_graphs"))),
+        "batched_forwards": _num(cache, "batch", "forwards"),
+        "batched_sequences": _num(cache, "batch", "sequences"),
+        "engine_load_seconds": _num(stats, "load_s"),
+        "precapture_seconds": _num(stats, "precapture", "seconds") + _num(stats, "precapture", "batch", "seconds"),
+        "device_memory_bytes": {k: _num(stats, "device_memory_mb", k) * 2**20
+                                for k in ("allocated", "reserved", "peak_allocated", "free", "total")
+                                if isinstance(stats.get("device_memory_mb"), dict) and k in stats["device_memory_mb"]},
+        # rows the cache was asked about, and of those the ones that planted or reused a state
+        "cache_rows": _num(cache, "rows"),
+        "cache_used_rows": _num(cache, "hits") + _num(cache, "partial") + _num(cache, "cold"),
+    }
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def collect(self):
+        f = engine_figures(self._stats() or {})
+        for name, doc in (("cache_used_bytes", "bytes the state cache holds"),
+                          ("cache_budget_bytes", "the state cache's budget in bytes"),
+                          ("cache_budget_states_4k", "new 4k-token states the cache's budget holds"),
+                          ("cache_checkpoints", "saved states the cache holds"),
+                          ("engine_load_seconds", "seconds the engine took to load its weights"),
+                          ("precapture_seconds", "seconds the start-up capture of CUDA graphs took")):
+            yield GaugeMetricFamily(f"statecache:{name}", doc, value=f[name])
+        for name, key, doc in (("cache_evictions", "cache_evictions", "saved states evicted from the cache"),
+                               ("graph_captures", "graph_captures", "CUDA graphs captured"),
+                               ("graph_capture_seconds", "graph_capture_seconds", "seconds spent capturing CUDA graphs"),
+                               ("batched_forwards", "batched_forwards", "batched forwards of rows continuing saved states"),
+                               ("batched_sequences", "batched_sequences", "rows run in batched forwards")):
+            yield CounterMetricFamily(f"statecache:{name}", doc, value=f[key])
+        if f["device_memory_bytes"]:
+            mem = GaugeMetricFamily("statecache:device_memory_bytes", "the device's memory, by kind", labels=["kind"])
+            for kind, value in f["device_memory_bytes"].items():
+                mem.add_metric([kind], value)
+            yield mem
+
+    def describe(self):
+        return []
+
+
+class WorkerMetrics:
+    def __init__(self, engine_stats: Callable[[], dict] = dict, inert_rows: int = INERT_ROWS):
+        r = self.registry = CollectorRegistry()
+        self.rows = Counter("statecache:rows", "rows answered, by path (error: an error result)", ["path"], registry=r)
+        self.row_errors = Counter("statecache:row_errors", "rows answered with an error result, by code", ["code"], registry=r)
+        self.tokens_reused = Counter("statecache:tokens_reused", "tokens restored from saved states", registry=r)
+        self.tokens_computed = Counter("statecache:tokens_computed", "tokens run through the model", registry=r)
+        self.batch_rows = Histogram("statecache:batch_size_rows", "rows per engine call", buckets=BATCH_BUCKETS, registry=r)
+        self.latency = Histogram("statecache:row_latency_seconds", "enqueue to answer, by path", ["path"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("statecache:queue_time_seconds", "enqueue to the row reaching the model",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.engine_time = Histogram("statecache:engine_time_seconds", "engine time of the batch a row was in",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.waiting = Gauge("statecache:queue_waiting_rows", "ready jobs in Redis nobody took + rows queued for the GPU thread",
+                             registry=r)
+        self.ready = Gauge("statecache:worker_ready", "1 once the engine is built, graphs captured, and jobs are taken", registry=r)
+        self.redis_up = Gauge("statecache:redis_up", "1 while Redis answers", registry=r)
+        self.inert = Gauge("statecache:cache_inert", "1 when the cache planted and reused nothing lately, or has no budget",
+                           registry=r)
+        for path in ("memo", "hit", "partial", "cold", "plain", "error"):
+            self.rows.labels(path)  # every path present from the start, at 0
+        self.redis_up.set(1)
+        r.register(_EngineCollector(engine_stats))
+        self.inert_rows = inert_rows
+        self._since_use = (0.0, 0.0)  # (cache rows, used rows) when the cache last planted or reused
+        self._inert_logged = False
+        self.server = None
+
+    # --- updates (any thread: prometheus_client's metrics are thread-safe) --------------------------------
+
+    def batch(self, results: list, stats: dict) -> None:
+        """After an engine call: its size and the cache's state."""
+        self.batch_rows.observe(len(results))
+        self._check_inert(stats)
+
+    def row(self, result: Any, enqueued_at: float | None, reached_at: float, engine_s: float, done_at: float) -> None:
+        """One row answered (`*_at`: time.time())."""
+        if isinstance(result, dict) and "error" in result:
+            path = "error"
+            err = result["error"]
+            self.row_errors.labels(str(err.get("code") if isinstance(err, dict) else "unknown")).inc()
+        else:
+            path = str(result.get("path", "unknown")) if isinstance(result, dict) else "unknown"
+            self.tokens_reused.inc(max(0, int(result.get("reused", 0) or 0)))
+            self.tokens_computed.inc(max(0, int(result.get("computed", 0) or 0)))
+        self.rows.labels(path).inc()
+        if reached_at:
+            self.engine_time.observe(engine_s)
+        if enqueued_at:
+            self.latency.labels(path).observe(max(0.0, done_at - enqueued_at))
+            if reached_at:
+                self.queue_time.observe(max(0.0, reached_at - enqueued_at))
+
+    def _check_inert(self, stats: dict) -> None:
+        f = engine_figures(stats)
+        rows, used = f["cache_rows"], f["cache_used_rows"]
+        last_rows, last_used = self._since_use
+        if used > last_used or rows < last_rows:
+            self._since_use = (rows, used)
+            last_rows = rows
+        reason = None
+        if f["cache_budget_bytes"] <= 0:
+            reason = "the cache has no budget (STATECACHE_CACHE_MB=0?)"
+        elif rows - last_rows >= self.inert_rows:
+            reason = f"the last {int(rows - last_rows)} rows the cache was asked about planted and reused nothing"
+        self.inert.set(1 if reason else 0)
+        if reason and not self._inert_logged:
+            log.warning("the state cache is inert: %s; rows take the plain path (raise STATECACHE_CACHE_MB?)", reason)
+        self._inert_logged = bool(reason)
+
+    # --- serving ------------------------------------------------------------------------------------------
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int | None:
+        """Serve /metrics on `port` (0: not at all); the port, or None when it could not be bound."""
+        if not port:
+            return None
+        from prometheus_client import start_http_server
+
+        try:
+            self.server, _ = start_http_server(port, addr, registry=self.registry)
+        except OSError as e:
+            log.warning("metrics not served: port %d: %s", port, e)
+            return None
+        return self.server.server_port
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None

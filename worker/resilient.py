@@ -1,0 +1,140 @@
+"""A Redis client for the worker that waits out a Redis restart or failover instead of failing.
+
+arq's worker lets a `ConnectionError` from any Redis call escape its poll loop and exit. The worker hands arq
+this client (`ResilientRedis`, arq's `redis_pool` setting) instead: every command, and every pipeline, that
+fails for want of a connection is tried again with backoff (`RETRY_FIRST_S` doubling up to `RETRY_MAX_S`)
+until Redis answers. Meanwhile the poll loop, the health key and the results of rows that finish wait; the
+health key expires, so the worker reads as not healthy; rows already on the GPU are computed and their results
+are stored once Redis is back. Transactions that WATCH keys (arq's job start) re-watch on the new connection;
+one whose EXEC was cut off ends as a `WatchError` (arq then leaves the job in the queue for the next poll).
+After `give_up()` (the worker is stopping) errors are raised as they come.
+
+Knows redis-py's asyncio client and arq's `ArqRedis`; nothing of jobs or the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from arq.connections import ArqRedis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError, WatchError
+
+log = logging.getLogger("statecache.worker")
+
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 1.0
+LOST = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
+
+
+class ResilientRedis(ArqRedis):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.up = True
+        self.down_since = 0.0
+        self.outages = 0
+        self.on_change: Callable[[bool], None] | None = None  # called with the new state (metrics)
+        self._giving_up = False
+        self._failures = 0
+
+    @classmethod
+    def from_dsn(cls, url: str, **kwargs: Any) -> "ResilientRedis":
+        from redis.asyncio.connection import ConnectionPool
+
+        kwargs.setdefault("socket_connect_timeout", 2)
+        kwargs.setdefault("socket_timeout", 10)
+        return cls(ConnectionPool.from_url(url, **kwargs))
+
+    def give_up(self) -> None:
+        """From now on, raise connection errors instead of waiting (the worker is stopping)."""
+        self._giving_up = True
+
+    async def lost(self, error: BaseException) -> None:
+        """A call failed for want of Redis: note it, then sleep the next backoff step (or raise)."""
+        if self._giving_up:
+            raise error
+        if self.up:
+            self.up = False
+            self.down_since = time.monotonic()
+            self.outages += 1
+            self._failures = 0
+            log.warning("Redis unreachable (%s: %s); waiting for it, retrying with backoff", type(error).__name__, error)
+            if self.on_change:
+                self.on_change(False)
+        self._failures += 1
+        await asyncio.sleep(min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(self._failures, 10)))
+
+    def back(self) -> None:
+        if not self.up:
+            self.up = True
+            log.warning("Redis is back after %.1f s", time.monotonic() - self.down_since)
+            if self.on_change:
+                self.on_change(True)
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        while True:
+            try:
+                result = await super().execute_command(*args, **options)
+            except LOST as e:
+                await self.lost(e)
+                continue
+            self.back()
+            return result
+
+    async def close(self, close_connection_pool: bool | None = None) -> None:  # arq calls the deprecated name
+        await self.aclose(close_connection_pool)
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> "ResilientPipeline":
+        return ResilientPipeline(self, self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
+class ResilientPipeline(Pipeline):
+    def __init__(self, owner: ResilientRedis, *args: Any):
+        super().__init__(*args)
+        self._owner = owner
+        self._watched: list = []
+
+    async def immediate_execute_command(self, *args: Any, **options: Any) -> Any:
+        """WATCH and the reads after it, before MULTI: on a lost connection, wait, re-WATCH, read again."""
+        while True:
+            try:
+                result = await super().immediate_execute_command(*args, **options)
+            except LOST + (WatchError,) as e:  # redis-py reports a connection lost while watching as WatchError
+                await self._owner.lost(e)
+                await self._rewatch()
+                continue
+            self._owner.back()
+            if args and str(args[0]).upper() == "WATCH":
+                self._watched += list(args[1:])
+            return result
+
+    async def _rewatch(self) -> None:
+        if self.connection is not None:
+            await self.connection.disconnect()
+        self.watching = False
+        if self._watched:
+            keys, self._watched = self._watched, []
+            await self.immediate_execute_command("WATCH", *keys)
+
+    async def execute(self, raise_on_error: bool = True) -> Any:
+        stack = list(self.command_stack)
+        watched = bool(self._watched) or self.explicit_transaction
+        while True:
+            try:
+                result = await super().execute(raise_on_error)
+            except LOST as e:
+                await self._owner.lost(e)
+                if watched:  # the WATCH died with the connection: arq treats this as "taken elsewhere"
+                    self._watched = []
+                    raise WatchError("connection lost during a watched transaction") from e
+                self.command_stack = list(stack)
+                continue
+            except WatchError:
+                self._watched = []
+                raise
+            self._owner.back()
+            self._watched = []
+            return result
