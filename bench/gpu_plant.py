@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -55,17 +54,10 @@ def log(*a):
 
 
 def timed(fn, reps=7, warm=2):
-    """Median wall milliseconds of fn, the GPU synchronised after each call."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(1000 * (time.perf_counter() - t))
-    return round(statistics.median(ts), 2)
+    """Median wall milliseconds of fn, the GPU synchronised after each call (gpu_bench's timer)."""
+    from gpu_bench import timed as bench_timed
+
+    return bench_timed(fn, reps, warm)
 
 
 def maxdiff(a, b):
