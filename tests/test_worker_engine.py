@@ -138,7 +138,9 @@ def test_backlog_still_plants_every_new_state(redis_url, queue_name):
                 return under_load, alone
 
         under_load, alone = run(main())
-        assert w.engine.calls == [(1, 0)]
+        # one call of one row; its waiting count is the backlog reader's last sample (it may still count the row's
+        # own job, read before the job started), so only the row count is fixed
+        assert [n for n, _ in w.engine.calls] == [1]
     paths = [r["path"] for r in under_load]
     assert paths[:2] == ["cold", "cold"] and sorted(paths[2:]) == ["cold", "hit"], paths  # every forward plants
     assert alone["path"] == "cold"
