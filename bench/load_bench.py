@@ -514,6 +514,13 @@ def markdown(res: dict) -> str:
                      + " | ".join(str(p.get(k, 0)) for k in PATHS)
                      + f" | {fmt(s['latency']['p50_ms'])} | {fmt(s['latency']['p99_ms'])} | {fmt(hit.get('p50_ms'))} | "
                      f"{fmt(hit.get('p99_ms'))} | {fmt(s['reused_vs_unbounded'])} | {fmt(s['reused_of_all_tokens'])} |")
+    phases = [(n, s.get("worker_stats", {}).get("engine", {}).get("phases")) for n, s in cfgs.items()]
+    if any(ph for _, ph in phases):  # the engine's wall seconds per phase since start-up (Engine.stats()["phases"])
+        lines += ["", "Where the engine's time went, since start-up (seconds, rows; packed includes the callbacks made "
+                  "inside it): " + "; ".join(
+                      f"{n} agents: batched {ph['batched_s']:.1f} s / {ph['batched_rows']}, packed {ph['packed_s']:.1f} s / "
+                      f"{ph['packed_rows']}, one at a time {ph['one_by_one_s']:.1f} s / {ph['one_by_one_rows']}, "
+                      f"between {ph['between_s']:.1f} s / {ph['between_calls']} calls" for n, ph in phases if ph)]
     sc, hf = res.get("score"), res.get("transformers")
     if sc:
         hit = sc["latency_by_path"].get("hit", {})

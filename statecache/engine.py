@@ -135,6 +135,11 @@ class Engine:
         self.max_row_tokens = max_row_tokens
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
+        # wall seconds and rows per phase of `_run` (the GPU is synchronised at the end of each phase, so these are
+        # where a batch's time goes); the packed forward's seconds include the `between` callbacks made inside it,
+        # which are also counted on their own (between_s)
+        self.phases = {**{f"{k}_{u}": 0 for k in ("batched", "packed", "one_by_one") for u in ("s", "rows")},
+                       "between_s": 0, "between_calls": 0}
 
     def _warm_packed(self) -> float:
         """Run the packed forward (eager: nothing to capture) on dummy rows of a few lengths, planting and not, so
@@ -217,7 +222,7 @@ class Engine:
         between: called between the chunks of a long cached forward (a new state's), so the caller can answer rows
         that arrived meanwhile with `answer_ready` (chunked prefill). backed_up: the old signature's flag, accepted
         from callers not yet updated and ignored."""
-        self.cache.between = between
+        self.cache.between = None if between is None else self._timed_between(between)
         results: list[dict | None] = [None] * len(rows)
         self.counts["batches"] += 1
         todo = []  # (index, row, memo key)
@@ -255,6 +260,21 @@ class Engine:
             if "probs" in res:
                 self.counts["memo"] += 1
         return results  # type: ignore[return-value]
+
+    def _timed_between(self, between):
+        def timed() -> None:
+            t0 = time.perf_counter()
+            try:
+                between()
+            finally:
+                self.phases["between_s"] += time.perf_counter() - t0
+                self.phases["between_calls"] += 1  # the rows they answer are counted as batched rows
+
+        return timed
+
+    def _phase(self, name: str, rows: int, t0: float) -> None:
+        self.phases[f"{name}_s"] += time.perf_counter() - t0
+        self.phases[f"{name}_rows"] += rows
 
     def _run(self, todo, batch_rows: int, waiting_rows: int, results) -> None:
         """Compute the distinct rows of a batch, short work first (see the module docstring):
@@ -297,6 +317,7 @@ class Engine:
     def _one_by_one(self, members, results) -> None:
         """Rows through the cache one at a time (`_cached_group`); what it declines goes plain; a failure fails only
         these rows."""
+        t0 = time.perf_counter()
         try:
             plain_later = self._cached_group(members, results)
         except RowError as e:  # an image that decoded when checked but not now
@@ -310,6 +331,7 @@ class Engine:
             for i, _, _ in members:
                 if results[i] is None:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
+        self._phase("one_by_one", len(members), t0)
         self._plain(plain_later, results)
 
     def _p(self, row) -> int:
@@ -331,12 +353,14 @@ class Engine:
                 todo.append(key)
         if not todo:
             return []
+        t0 = time.perf_counter()
         try:
             answers = self.cache.rows_batched([(uniq[k][0]["ids"], uniq[k][0]["state_len"], uniq[k][0]["slots"],
                                                 uniq[k][0]["nopts"]) for k in todo])
         except Exception:  # noqa: BLE001 - the rows go one at a time instead
             log.exception("batched rows failed")
             answers = [None] * len(todo)
+        self._phase("batched", len(todo), t0)
         left = []
         for key, ans in zip(todo, answers):
             row, where = uniq[key]
@@ -432,6 +456,7 @@ class Engine:
         if not unique:
             return
         plans = [self.cache.plan(r["state_len"]) if plant else None for r, _, plant in unique.values()]
+        t0 = time.perf_counter()
         try:
             outs, planted = self.plain.run(
                 [(r["ids"], r["slots"], r["nopts"], r.get("mm")) for r, _, _ in unique.values()], plans,
@@ -447,6 +472,7 @@ class Engine:
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
+        self._phase("packed", len(unique), t0)
         for (key, (row, idx, plant)), (probs, route), pl in zip(unique.items(), outs, planted):
             if plant:
                 try:
@@ -497,6 +523,7 @@ class Engine:
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
                 "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
                 "budget": dataclasses.asdict(self.budget), **self._device_memory(),
+                "phases": {k: round(v, 3) if k.endswith("_s") else v for k, v in self.phases.items()},
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
 
     def _device_memory(self) -> dict:

@@ -448,3 +448,18 @@ def test_gpu_thread_answers_hits_between_chunks():
     assert gpu.stop(5)
     assert hit["path"] == "hit" and long_res["path"] == "cold"
     assert gpu.counters["between_rows"] == 1 and gpu.counters["batches"] == 2
+
+
+def test_stats_say_where_a_batch_spent_its_time(engine):
+    """Engine.stats()["phases"]: wall seconds and rows of the batched call, the packed forward, the one-at-a-time
+    path and the `between` callbacks (what the load benchmark reads to see where a batch's time goes)."""
+    eng = engine()
+    a = toks(300, 51)
+    eng.answer([row(a, 5, 1)])  # a new state: planted by the packed forward
+    ph = eng.stats()["phases"]
+    assert ph["packed_rows"] == 1 and ph["packed_s"] > 0 and ph["batched_rows"] == 0
+    calls = []
+    eng.answer([row(a, 9, 2), row(toks(400, 52), 6, 3)], between=lambda: calls.append(1))  # a hit, a new state
+    ph = eng.stats()["phases"]
+    assert ph["batched_rows"] == 1 and ph["batched_s"] > 0 and ph["packed_rows"] == 2
+    assert ph["between_calls"] == len(calls) > 0 and ph["between_s"] >= 0
