@@ -410,8 +410,7 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, max_piece: int) -> _
     """A row's pieces from its deepest checkpoint, or None (no checkpoint, a piece too long, not eligible)."""
     if not cache.eligible(ids, state_len, slots) or len(slots) != len(nopts):
         return None
-    s = cache.s
-    p, n = state_len - state_len % s.align, len(ids)
+    p, n = cache.state_end(state_len), len(ids)
     best = cache.index.lookup(ids, limit=p)
     if best is None:
         return None

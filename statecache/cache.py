@@ -76,13 +76,14 @@ class StateCache:
 
     # ---- what may come here ---------------------------------------------------------------------------------------
 
-    def _down(self, x: int) -> int:
-        return x - x % self.s.align
+    def state_end(self, state_len: int) -> int:
+        """p: the state's end rounded down to `align`, where its deepest checkpoint sits (the one place it is derived)."""
+        return state_len - state_len % self.s.align
 
     def eligible(self, ids, state_len: int, slots) -> bool:
         """Section 3's eligibility: a long enough state, 1..max_slots slots at or after p, a question that fits
         (rows with images too: see the module docstring)."""
-        p, n = self._down(state_len), len(ids)
+        p, n = self.state_end(state_len), len(ids)
         if self.s.mb <= 0 or p < self.s.min_prefix or not 0 < len(slots) <= self.s.max_slots:
             return False
         return min(slots) >= p and self.runner.shape(p, n) is not None
@@ -97,7 +98,7 @@ class StateCache:
         """Bytes a new state of state_len tokens takes here once planted: per checkpoint the GDN states and conv
         tails, and the group's attention K/V of [0, p) once."""
         st = self.runner.st
-        p = self._down(state_len)
+        p = self.state_end(state_len)
         per_pos = (st.K[:, :1].numel() * st.K.element_size()) * 2
         return len(self.plan(state_len)) * _nbytes(st.conv, st.S) + p * per_pos
 
@@ -116,7 +117,7 @@ class StateCache:
         router's decision is the same in both runs."""
         if not self.eligible(ids, state_len, slots):
             return None
-        n, p = len(ids), self._down(state_len)
+        n, p = len(ids), self.state_end(state_len)
         spec = self.runner.spec
         keys = ids if images is None else images.keys  # what the index knows the state by
         best = self.index.lookup(keys, limit=p)

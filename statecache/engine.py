@@ -335,7 +335,7 @@ class Engine:
         self._plain(plain_later, results)
 
     def _p(self, row) -> int:
-        return row["state_len"] - row["state_len"] % self.cache.s.align
+        return self.cache.state_end(row["state_len"])
 
     def _batched(self, items, results) -> list:
         """Rows (i, row, memo key) that continue from saved states, through one StateCache.rows_batched call (each
@@ -404,7 +404,6 @@ class Engine:
     def _groups(self, todo) -> tuple["OrderedDict[tuple, list]", list]:
         """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
         and the rows the cached path cannot take (for the plain path)."""
-        align = self.cache.s.align
         groups: OrderedDict = OrderedDict()
         plain = []
         for item in todo:
@@ -412,7 +411,7 @@ class Engine:
             if not self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
                 plain.append(item)
                 continue
-            p = row["state_len"] - row["state_len"] % align
+            p = self._p(row)
             keys = row["mm"].keys if "mm" in row else row["ids"]
             groups.setdefault(tuple(keys[:p]), []).append(item)
         return groups, plain
@@ -421,7 +420,7 @@ class Engine:
         """The cold_ok policy, asked once for a new state (the group's shared state)."""
         row = members[0][1]
         idx = self.cache.index
-        ctx = ColdContext(state_tokens=row["state_len"] - row["state_len"] % self.cache.s.align,
+        ctx = ColdContext(state_tokens=self._p(row),
                           state_bytes=self.cache.state_bytes(row["state_len"]), budget_bytes=idx.budget_bytes,
                           used_bytes=idx.bytes, sharing_rows=len(members), batch_rows=batch_rows,
                           waiting_rows=max(0, int(waiting_rows or 0)))
