@@ -230,22 +230,11 @@ class Engine:
         repeats = []  # (index, index of the same row's first occurrence)
         for i, raw in enumerate(rows):
             self.counts["rows"] += 1
-            try:
-                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
-                if row.get("images"):
-                    from .vision import RowImages
-
-                    row["mm"] = RowImages(row["ids"], row["images"], self.embeddings, self.device)
-            except RowError as e:
-                results[i] = self._error(e.code, e.message)
+            got = self._prepare(i, raw)
+            if isinstance(got, dict):  # its error result
+                results[i] = got
                 continue
-            except Exception as e:  # noqa: BLE001 - a row never takes the worker down
-                log.exception("row %d could not be prepared", i)
-                results[i] = self._error("bad_row", f"{type(e).__name__}: {e}")
-                continue
-            key = row_key(row["ids"], row["slots"], row["nopts"])
-            if "mm" in row:
-                key = (key, row["mm"].digests)
+            row, key = got
             if (hit := self._memo(key)) is not None:
                 results[i] = hit
             elif key in first:  # the same row twice in one batch: computed once
@@ -260,6 +249,24 @@ class Engine:
             if "probs" in res:
                 self.counts["memo"] += 1
         return results  # type: ignore[return-value]
+
+    def _prepare(self, i: int, raw):
+        """One row checked (text rows tokenised, images decoded) -> (row, memo key), or its error result (a dict)."""
+        try:
+            row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
+            if row.get("images"):
+                from .vision import RowImages
+
+                row["mm"] = RowImages(row["ids"], row["images"], self.embeddings, self.device)
+        except RowError as e:
+            return self._error(e.code, e.message)
+        except Exception as e:  # noqa: BLE001 - a row never takes the worker down
+            log.exception("row %d could not be prepared", i)
+            return self._error("bad_row", f"{type(e).__name__}: {e}")
+        key = row_key(row["ids"], row["slots"], row["nopts"])
+        if "mm" in row:
+            key = (key, row["mm"].digests)
+        return row, key
 
     def _timed_between(self, between):
         def timed() -> None:
@@ -382,15 +389,11 @@ class Engine:
         for i, raw in enumerate(rows):
             if isinstance(raw, dict) and raw.get("images"):
                 continue  # image rows: later, through `answer` (the batched forward has no multimodal positions)
-            try:
-                row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
-            except RowError as e:
-                results[i] = self._error(e.code, e.message)
+            got = self._prepare(i, raw)
+            if isinstance(got, dict):  # its error result
+                results[i] = got
                 continue
-            except Exception as e:  # noqa: BLE001
-                results[i] = self._error("bad_row", f"{type(e).__name__}: {e}")
-                continue
-            key = row_key(row["ids"], row["slots"], row["nopts"])
+            row, key = got
             if (hit := self._memo(key)) is not None:
                 results[i] = hit
             elif self.cache.batch is not None and self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
