@@ -224,6 +224,26 @@ def split_count(P: int, Hkv: int, rows: int, block_m: int, block_n: int, min_til
     return max(1, min(triton.cdiv(triton.cdiv(P, block_n), min_tiles), int(programs_per_sm * sms) // blocks))
 
 
+def _partials(o: torch.Tensor, n_splits: int, Hkv: int, M: int, D: int, lse_fill: float | None):
+    """The per-split partial outputs [n_splits, Hkv, M, D] and log-sum-exps [n_splits, Hkv, M] (float32; lse filled
+    with lse_fill unless None); (o, o), never touched, when there is one split (the kernel writes o directly)."""
+    if n_splits == 1:
+        return o, o
+    op = torch.empty(n_splits, Hkv, M, D, device=o.device, dtype=torch.float32)
+    lse = torch.empty(n_splits, Hkv, M, device=o.device, dtype=torch.float32)
+    if lse_fill is not None:
+        lse.fill_(lse_fill)
+    return op, lse
+
+
+def _combine(op: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, M: int, Hkv: int, n_splits: int, R: int, D: int):
+    """Merge the splits' partial outputs into o (softmax-weighted by their log-sum-exps)."""
+    _span_combine_kernel[(M, Hkv)](
+        op, lse, o, o.stride(0), o.stride(1), o.stride(2), M, n_splits,
+        R=R, D=D, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
+    )
+
+
 def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, scale: float, *,
                 block_m: int = 64, block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
                 n_splits: int | None = None, programs_per_sm: float = 2.0, min_split_keys: int = 256) -> torch.Tensor:
@@ -242,11 +262,7 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.
         n_splits = split_count(P, Hkv, M, block_m, block_n, min_tiles, sms, programs_per_sm)
     o = torch.empty(L, Hq, D, device=q.device, dtype=q.dtype)
     direct = n_splits == 1
-    if direct:
-        op, lse = o, o  # not touched
-    else:
-        op = torch.empty(n_splits, Hkv, M, D, device=q.device, dtype=torch.float32)
-        lse = torch.empty(n_splits, Hkv, M, device=q.device, dtype=torch.float32)
+    op, lse = _partials(o, n_splits, Hkv, M, D, lse_fill=None)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 would round float32 inputs; half ignores it
     _span_split_kernel[(triton.cdiv(M, block_m), n_splits, Hkv)](
         q, k, v, start, o, op, lse,
@@ -259,10 +275,7 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
-        _span_combine_kernel[(M, Hkv)](
-            op, lse, o, o.stride(0), o.stride(1), o.stride(2), M, n_splits,
-            R=R, D=D, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
-        )
+        _combine(op, lse, o, M, Hkv, n_splits, R, D)
     return o
 
 
@@ -289,11 +302,7 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
     o = torch.zeros(T, Hq, D, device=q.device, dtype=q.dtype)
     direct = n_splits == 1
     M_all = R * T
-    if direct:
-        op, lse = o, o
-    else:
-        op = torch.empty(n_splits, Hkv, M_all, D, device=q.device, dtype=torch.float32)
-        lse = torch.full((n_splits, Hkv, M_all), float("-inf"), device=q.device, dtype=torch.float32)
+    op, lse = _partials(o, n_splits, Hkv, M_all, D, lse_fill=float("-inf"))  # a program may skip rows: -inf
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     off = off.contiguous()
     _span_batch_kernel[(triton.cdiv(Mb, block_m), n_splits, Hkv * B)](
@@ -306,8 +315,5 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
-        _span_combine_kernel[(M_all, Hkv)](
-            op, lse, o, o.stride(0), o.stride(1), o.stride(2), M_all, n_splits,
-            R=R, D=D, BLOCK_S=triton.next_power_of_2(n_splits), num_warps=4,
-        )
+        _combine(op, lse, o, M_all, Hkv, n_splits, R, D)
     return o
