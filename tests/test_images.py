@@ -66,8 +66,9 @@ def q(text: str, n: int = 3) -> dict:
     return {"text": text, "options": [f"option {j}" for j in range(n)]}
 
 
-def reference(eng: Engine, ref, raw: dict) -> list[list[float]]:
-    """transformers' answer for a row: its full forward with pixel values, grids and token types."""
+def hf_inputs(eng: Engine, raw: dict) -> tuple[dict, torch.Tensor, dict]:
+    """A row checked by the engine -> (the row, its ids [1, n], transformers' image inputs: pixel values, grids and
+    token types; empty without images)."""
     row = check_row(raw, eng.vocab_size, eng.max_row_tokens, eng.tokenizer, eng.images)
     ids = torch.tensor([row["ids"]])
     kw = {}
@@ -75,6 +76,12 @@ def reference(eng: Engine, ref, raw: dict) -> list[list[float]]:
         pv = [eng.images.pixels(r.data) for r in row["images"]]
         kw = dict(pixel_values=torch.cat([p for p, _ in pv]), image_grid_thw=torch.tensor([g for _, g in pv]),
                   mm_token_type_ids=(ids == eng.images.image_token_id).int())
+    return row, ids, kw
+
+
+def reference(eng: Engine, ref, raw: dict) -> list[list[float]]:
+    """transformers' answer for a row: its full forward with pixel values, grids and token types."""
+    row, ids, kw = hf_inputs(eng, raw)
     with torch.no_grad():
         logits = ref(input_ids=ids, **kw).logits[0]
     letters = torch.tensor(eng.letter_ids)
@@ -419,13 +426,7 @@ def vl_specialists(model_dir, tmp_path_factory):
 
 
 def _spec_reference(eng: Engine, ref_, raw: dict) -> tuple[str, list[list[float]]]:
-    row = check_row(raw, eng.vocab_size, eng.max_row_tokens, eng.tokenizer, eng.images)
-    ids = torch.tensor([row["ids"]])
-    kw = {}
-    if row.get("images"):
-        pv = [eng.images.pixels(r.data) for r in row["images"]]
-        kw = dict(pixel_values=torch.cat([p for p, _ in pv]), image_grid_thw=torch.tensor([g for _, g in pv]),
-                  mm_token_type_ids=(ids == eng.images.image_token_id).int())
+    row, _, kw = hf_inputs(eng, raw)
     route, probs = ref_.answers(row["ids"], row["slots"], row["nopts"], **kw)
     return ref_.names[route], probs
 
