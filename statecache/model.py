@@ -127,12 +127,17 @@ class Qwen35:
         f = torch.cat([f, f], -1)
         return f.cos().to(self.dtype), f.sin().to(self.dtype)
 
+    @staticmethod
+    def project(lora, i: int, site: str, x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        """x @ W.T, layer i's projection `site`; with specialists (`lora`) it does the projection, LoRA terms included."""
+        return x @ W.T if lora is None else lora.project(i, site, x, W)
+
     def gdn(self, i: int, x: torch.Tensor, mix, lora=None) -> torch.Tensor:
         cfg, m = self.cfg, self.w.layers[i].mixer
         assert isinstance(m, GdnWeights)
         T = x.shape[0]
         C, vd, Hv = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads
-        y = x @ m.in_w.T if lora is None else lora.project(i, "in", x, m.in_w)
+        y = self.project(lora, i, "in", x, m.in_w)
         qkv, z, b, a = torch.split(y, [C, vd, Hv, Hv], dim=-1)  # [T, C], [T, vd], [T, Hv] x2
         qkv = mix.conv(self.slot[i], qkv, m.conv_w)  # [T, C] after SiLU
         q, k, v = torch.split(qkv, [cfg.key_dim, cfg.key_dim, vd], dim=-1)
@@ -143,13 +148,13 @@ class Qwen35:
         o = mix.delta(self.slot[i], q, k, v, g, beta)  # [T, Hv, Dv]
         o = self.gnorm(o, z.reshape(T, Hv, -1), m.norm_w, self.eps)
         o = o.reshape(T, vd)
-        return o @ m.out_w.T if lora is None else lora.project(i, "out", o, m.out_w)
+        return self.project(lora, i, "out", o, m.out_w)
 
     def attn(self, i: int, x: torch.Tensor, mix, rope, lora=None) -> torch.Tensor:
         cfg, m = self.cfg, self.w.layers[i].mixer
         assert isinstance(m, AttnWeights)
         T, Hq, Hkv, D = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        y = x @ m.qkv_w.T if lora is None else lora.project(i, "qkv", x, m.qkv_w)
+        y = self.project(lora, i, "qkv", x, m.qkv_w)
         qg, k, v = torch.split(y, [2 * Hq * D, Hkv * D, Hkv * D], dim=-1)
         q, gate = torch.chunk(qg.view(T, Hq, 2 * D), 2, dim=-1)  # [T, Hq, D] each
         cos, sin = rope
@@ -157,7 +162,7 @@ class Qwen35:
         k = self.qk_prep(k.view(T, Hkv, D), m.k_norm, cos, sin, self.eps)
         o = mix.attend(self.slot[i], q, k, v.view(T, Hkv, D), D**-0.5)  # [T, Hq, D]
         o = self.gate_out(o, gate)
-        return o @ m.o_w.T if lora is None else lora.project(i, "o", o, m.o_w)
+        return self.project(lora, i, "o", o, m.o_w)
 
     def body(self, ids: torch.Tensor, pos: torch.Tensor, mix, lora=None, *, embeds=None) -> torch.Tensor:
         """ids [T], pos [T] or [3, T] (see rope) -> the last layer's hidden states [T, H] (before the final norm).
@@ -181,10 +186,7 @@ class Qwen35:
                 lora.feature(h)
             d = self.gdn(i, x, mix, lora) if L.kind == LINEAR else self.attn(i, x, mix, rope, lora)  # [T, H]
             h, x = self.add_norm(h, d, L.post_norm, self.eps)
-            if lora is None:
-                d = self.act(x @ L.gate_up_w.T) @ L.down_w.T
-            else:
-                d = lora.project(i, "down", self.act(lora.project(i, "gate_up", x, L.gate_up_w)), L.down_w)
+            d = self.project(lora, i, "down", self.act(self.project(lora, i, "gate_up", x, L.gate_up_w)), L.down_w)
             if i + 1 < len(layers):
                 h, x = self.add_norm(h, d, layers[i + 1].in_norm, self.eps)
             else:
