@@ -333,8 +333,9 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
             save()
             print(f"[load] {n} agents: {s['rows']} rows, {s['rows_per_s']} rows/s, paths {s['paths']}, "
                   f"p50 {s['latency']['p50_ms']} ms, hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms, "
-                  f"reused {s['tokens_reused']} of unbounded {s['tokens_reused_unbounded']}, failed {s['failed']}",
-                  file=sys.stderr, flush=True)
+                  f"reused {s['tokens_reused']} of unbounded {s['tokens_reused_unbounded']}, failed {s['failed']}, "
+                  f"worker timing {s['worker_stats'].get('worker', {}).get('timing')}, "
+                  f"engine phases {s['worker_stats'].get('engine', {}).get('phases')}", file=sys.stderr, flush=True)
     return out
 
 
@@ -521,6 +522,12 @@ def markdown(res: dict) -> str:
                       f"{n} agents: batched {ph['batched_s']:.1f} s / {ph['batched_rows']}, packed {ph['packed_s']:.1f} s / "
                       f"{ph['packed_rows']}, one at a time {ph['one_by_one_s']:.1f} s / {ph['one_by_one_rows']}, "
                       f"between {ph['between_s']:.1f} s / {ph['between_calls']} calls" for n, ph in phases if ph)]
+    timing = [(n, s.get("worker_stats", {}).get("worker", {}).get("timing")) for n, s in cfgs.items()]
+    if any(t for _, t in timing):  # the worker's own split of a row's latency (worker.metrics.WorkerMetrics.timing)
+        lines += ["", "Where a row's latency went in the worker, mean seconds since start-up (enqueue to reaching the "
+                  "model; reaching it to the answer; the engine time of its batch): " + "; ".join(
+                      f"{n} agents: queue {t['queue_s_mean']}, at the model {t['at_model_s_mean']}, engine "
+                      f"{t['engine_s_mean']}" for n, t in timing if t and t.get("rows"))]
     sc, hf = res.get("score"), res.get("transformers")
     if sc:
         hit = sc["latency_by_path"].get("hit", {})

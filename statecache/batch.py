@@ -281,6 +281,8 @@ class BatchRunner:
             t += n
             buf[o_cu + b + 1] = t
         buf[o_cu + len(pieces) + 1 : o_st] = t
+        if (off % 16).any():  # the span kernel loads cached keys as 16-element vectors (span_triton.attend_batch)
+            raise NotBatched("a group's K/V is not aligned to 16 elements")
         return torch.from_numpy(buf)
 
     def _capture(self, Bb: int, Tb: int, Lb: int) -> _Graph | None:

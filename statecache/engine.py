@@ -134,12 +134,13 @@ class Engine:
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
+        self._early = None  # (on_result, indices handed back) while `answer` runs
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
         # wall seconds and rows per phase of `_run` (the GPU is synchronised at the end of each phase, so these are
         # where a batch's time goes); the packed forward's seconds include the `between` callbacks made inside it,
         # which are also counted on their own (between_s)
         self.phases = {**{f"{k}_{u}": 0 for k in ("batched", "packed", "one_by_one") for u in ("s", "rows")},
-                       "between_s": 0, "between_calls": 0}
+                       "packed_cpu_s": 0, "between_s": 0, "between_cpu_s": 0, "between_calls": 0}
 
     def _warm_packed(self) -> float:
         """Run the packed forward (eager: nothing to capture) on dummy rows of a few lengths, planting and not, so
@@ -151,7 +152,14 @@ class Engine:
         def dummy(n: int):
             return (torch.randint(0, self.vocab_size, (n,), generator=gen).tolist(), [n - 1], [4])
 
-        for lens in ((1100,), (3100, 2100), (700, 1500, 2600)):
+        # lengths: the Triton kernels (fla's and ours) specialise on whether integer arguments such as the packed
+        # token count are multiples of 16, so the sets cover both classes; then batches like agents' new pages
+        # (1-8 rows of 1-5k tokens; a forward past plain_tokens splits): on an H200 a first 4- and 8-row batch each
+        # took ~10 s more than later ones when only the first three sets were warmed
+        sizes = [(1100,), (3100, 2100), (700, 1500, 2600), (1117, 2203), (1600, 2405, 3003, 1571)]
+        for k, count in enumerate((1, 2, 3, 4, 6, 8)):
+            sizes.append(tuple(int(x) for x in torch.randint(1000, 5000, (count,), generator=gen)))
+        for lens in sizes:
             rows = [dummy(n) for n in lens]
             plant = self.specialists is None and all(self.cache.eligible(r[0], n - 40, r[1]) for r, n in zip(rows, lens))
             self.plain.run(rows, [self.cache.plan(n - 40) for n in lens] if plant else None)
@@ -217,13 +225,17 @@ class Engine:
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
-    def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None, between=None) -> list[dict]:
+    def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None, between=None,
+               on_result=None) -> list[dict]:
         """One result per row, in order. waiting_rows: rows queued behind this batch (for the cold_ok policy).
         between: called between the chunks of a long cached forward (a new state's), so the caller can answer rows
-        that arrived meanwhile with `answer_ready` (chunked prefill). backed_up: the old signature's flag, accepted
-        from callers not yet updated and ignored."""
+        that arrived meanwhile with `answer_ready` (chunked prefill). on_result(i, result): called as soon as row
+        i's result is known, before the batch's long work (a packed forward, rows one at a time) runs, so a caller
+        can hand hits back early; rows not handed back that way are in the returned list only (which has them
+        all). backed_up: the old signature's flag, accepted from callers not yet updated and ignored."""
         self.cache.between = None if between is None else self._timed_between(between)
         results: list[dict | None] = [None] * len(rows)
+        self._early = (on_result, set()) if on_result is not None else None
         self.counts["batches"] += 1
         todo = []  # (index, row, memo key)
         first: dict = {}  # memo key -> index of its first row in this batch
@@ -242,7 +254,9 @@ class Engine:
             else:
                 first[key] = i
                 todo.append((i, row, key))
+        self._deliver(results)
         self._run(todo, len(rows), waiting_rows, results)
+        self._early = None
         for i, j in repeats:
             res = results[j]
             results[i] = dict(res, path="memo", reused=0, computed=0) if "probs" in res else dict(res)
@@ -270,18 +284,21 @@ class Engine:
 
     def _timed_between(self, between):
         def timed() -> None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 between()
             finally:
                 self.phases["between_s"] += time.perf_counter() - t0
+                self.phases["between_cpu_s"] += time.thread_time() - c0
                 self.phases["between_calls"] += 1  # the rows they answer are counted as batched rows
 
         return timed
 
-    def _phase(self, name: str, rows: int, t0: float) -> None:
+    def _phase(self, name: str, rows: int, t0: float, c0: float | None = None) -> None:
         self.phases[f"{name}_s"] += time.perf_counter() - t0
         self.phases[f"{name}_rows"] += rows
+        if c0 is not None:  # this thread's CPU seconds: well below the wall seconds means it waited (GPU, GIL)
+            self.phases[f"{name}_cpu_s"] += time.thread_time() - c0
 
     def _run(self, todo, batch_rows: int, waiting_rows: int, results) -> None:
         """Compute the distinct rows of a batch, short work first (see the module docstring):
@@ -312,14 +329,30 @@ class Engine:
             later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results)
         else:
             chunked = saved + grown + chunked
+        self._deliver(results)  # answered so far: handed back before the long forward
         self._plain(plain, results, [g[0] for g in planting])
         if self.cache.batch is not None:
             later += self._batched([m for g in grown + planting if "mm" not in g[0][1] for m in g[1:]], results)
             chunked += [g[1:] for g in planting if "mm" in g[0][1]]
         else:
             chunked += [g[1:] for g in planting]
+        self._deliver(results)
         for members in chunked + ([later] if later else []):
             self._one_by_one(members, results)
+            self._deliver(results)
+
+    def _deliver(self, results) -> None:
+        """`answer`'s on_result for every row answered since the last call (no-op without one)."""
+        if self._early is None:
+            return
+        fn, sent = self._early
+        for i, res in enumerate(results):
+            if res is not None and i not in sent:
+                sent.add(i)
+                try:
+                    fn(i, res)
+                except Exception:  # noqa: BLE001 - the row is still in the returned list
+                    log.exception("on_result failed for row %d", i)
 
     def _one_by_one(self, members, results) -> None:
         """Rows through the cache one at a time (`_cached_group`); what it declines goes plain; a failure fails only
@@ -458,7 +491,7 @@ class Engine:
         if not unique:
             return
         plans = [self.cache.plan(r["state_len"]) if plant else None for r, _, plant in unique.values()]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             outs, planted = self.plain.run(
                 [(r["ids"], r["slots"], r["nopts"], r.get("mm")) for r, _, _ in unique.values()], plans,
@@ -474,7 +507,7 @@ class Engine:
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        self._phase("packed", len(unique), t0)
+        self._phase("packed", len(unique), t0, c0)
         for (key, (row, idx, plant)), (probs, route), pl in zip(unique.items(), outs, planted):
             if plant:
                 try:

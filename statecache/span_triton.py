@@ -156,8 +156,10 @@ def _span_batch_kernel(
     bos = tl.load(CU + b)
     L = tl.load(CU + b + 1) - bos
     start = tl.load(START + b)
-    koff = tl.load(OFF + 2 * b)
-    voff = tl.load(OFF + 2 * b + 1)
+    # element offsets of a group's K[a] / V[a]: multiples of 16 (the allocator aligns every tensor to 512 bytes and
+    # a layer of [p, Hkv, D] spans a multiple of D >= 16 elements); said so, the key and value loads are vectorised
+    koff = tl.multiple_of(tl.load(OFF + 2 * b), 16)
+    voff = tl.multiple_of(tl.load(OFF + 2 * b + 1), 16)
     M = L * R
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row = query * R + head in group

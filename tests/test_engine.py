@@ -450,6 +450,73 @@ def test_gpu_thread_answers_hits_between_chunks():
     assert gpu.counters["between_rows"] == 1 and gpu.counters["batches"] == 2
 
 
+def test_hits_are_handed_back_before_the_long_forward(engine, monkeypatch):
+    """on_result: a batch of a hit, a new state and a bad row hands the hit and the error back before the packed
+    forward starts; the new state's answer comes with the returned list, which holds every row."""
+    eng = engine()
+    a = toks(300, 51)
+    eng.answer([row(a, 5, 1)])
+    events = []
+    run = eng.plain.run
+
+    def traced(*args, **kw):
+        events.append("packed")
+        return run(*args, **kw)
+
+    monkeypatch.setattr(eng.plain, "run", traced)
+    rows = [row(toks(400, 52), 6, 2), row(a, 9, 3), {"ids": [1]}]
+    res = eng.answer(rows, on_result=lambda i, r: events.append((i, r.get("path"), "error" in r)))
+    got = list(events)  # `check` below runs plain forwards of its own
+    check(eng, rows[:2], res[:2])
+    assert paths(res[:2]) == ["cold", "hit"]
+    assert got[got.index("packed") - 2 : got.index("packed")] in (
+        [(2, None, True), (1, "hit", False)], [(1, "hit", False), (2, None, True)])
+    assert got[-1] == (0, "cold", False)  # handed back too, once the packed forward is done
+    seen = []
+    assert eng.answer(rows[1:2], on_result=lambda i, r: seen.append(r["path"]))[0]["path"] == "memo"
+    assert seen == ["memo"]
+
+
+def test_gpu_thread_hands_a_hit_back_before_its_batch_ends():
+    """The GPU thread passes on_result: a hit drained with a new state is answered before the batch's packed
+    forward is done (its job does not wait for the new page)."""
+    import asyncio
+    import threading
+
+    from statecache.engine import Engine
+    from worker.gpu_thread import GpuThread
+
+    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128))
+    a = toks(300, 61)
+    eng.answer([row(a, 5, 1)])
+    release = threading.Event()
+    run = eng.plain.run
+
+    def held(*args, **kw):  # the packed forward waits until the test has seen the hit's answer
+        release.wait(10)
+        return run(*args, **kw)
+
+    eng.plain.run = held
+    gpu = GpuThread(lambda: eng)
+
+    async def go():
+        # both rows queued before the thread starts, so they are drained as one batch
+        t = [gpu.submit(row(toks(400, 62), 6, 2)), gpu.submit(row(a, 9, 3))]
+        await asyncio.to_thread(gpu.start)
+        hit = await asyncio.wait_for(t[1].result, 10)
+        early = not t[0].result.done()
+        release.set()
+        return hit, await asyncio.wait_for(t[0].result, 10), early
+
+    try:
+        hit, cold, early = asyncio.run(go())
+    finally:
+        release.set()
+    assert gpu.stop(5)
+    assert hit["path"] == "hit" and cold["path"] == "cold" and early
+    assert gpu.counters["batches"] == 1
+
+
 def test_stats_say_where_a_batch_spent_its_time(engine):
     """Engine.stats()["phases"]: wall seconds and rows of the batched call, the packed forward, the one-at-a-time
     path and the `between` callbacks (what the load benchmark reads to see where a batch's time goes)."""

@@ -63,7 +63,7 @@ class Ticket:
     """One row (or one call) handed to the thread. `reached`/`result` are futures of the submitting loop;
     `reached_at` (time.time()) and `engine_s` (the batch's engine time) are set by the thread."""
 
-    __slots__ = ("kind", "payload", "loop", "reached", "result", "reached_at", "engine_s")
+    __slots__ = ("kind", "payload", "loop", "reached", "result", "reached_at", "engine_s", "early")
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
         self.kind, self.payload, self.loop = kind, payload, loop
@@ -71,6 +71,7 @@ class Ticket:
         self.result: asyncio.Future = loop.create_future()
         self.reached_at = 0.0
         self.engine_s = 0.0
+        self.early = False  # answered before its batch ended (engine_s: when)
 
     def dead(self) -> bool:
         return self.result.cancelled()
@@ -97,6 +98,7 @@ class GpuThread:
         self.engine: Any = None
         self.engine_stats: dict = {}  # the last engine.stats() snapshot (taken on this thread after each batch)
         self.busy = False  # a batch is running
+        self._early: tuple | None = None  # (the running batch's tickets, its start) for answers handed back early
         self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "engine_errors": 0, "busy_s": 0.0, "between_rows": 0}
 
     # --- event-loop side ---------------------------------------------------------------------------------
@@ -222,7 +224,11 @@ class GpuThread:
             _settle(t.loop, t.reached, True)
         waiting = max(0, int(self._waiting(self.pending())))
         t0 = time.perf_counter()
-        results = self._answer([t.payload for t in rows], waiting)
+        self._early = (rows, t0)
+        try:
+            results = self._answer([t.payload for t in rows], waiting)
+        finally:
+            self._early = None
         engine_s = time.perf_counter() - t0
         c = self.counters
         c["busy_s"] += engine_s
@@ -232,7 +238,8 @@ class GpuThread:
         log.debug("batch of %d rows (%d waiting) in %.1f ms", len(rows), waiting, 1e3 * engine_s)
         self._snapshot()
         for t in rows:
-            t.engine_s = engine_s
+            if not t.early:  # those answered early keep the time they were answered at
+                t.engine_s = engine_s
         if self._on_batch is not None:
             try:
                 self._on_batch(rows, results, engine_s, self.engine_stats)
@@ -243,7 +250,8 @@ class GpuThread:
 
     def _call(self, rows: list, waiting: int) -> list[dict]:
         if self._chunked():  # chunked prefill: rows of saved states that arrive meanwhile go between chunks
-            results = list(self.engine.answer(rows, waiting_rows=waiting, between=self._between))
+            results = list(self.engine.answer(rows, waiting_rows=waiting, between=self._between,
+                                              **({"on_result": self._on_result} if self._early_ok else {})))
         else:
             results = list(self.engine.answer(rows, waiting_rows=waiting))
         if len(results) != len(rows):
@@ -254,11 +262,22 @@ class GpuThread:
         """Does the engine take a `between` callback and answer rows between chunks (`answer_ready`)?"""
         if not hasattr(self, "_chunked_ok"):
             try:
-                takes = "between" in inspect.signature(self.engine.answer).parameters
+                params = inspect.signature(self.engine.answer).parameters
             except (TypeError, ValueError):
-                takes = False
-            self._chunked_ok = takes and callable(getattr(self.engine, "answer_ready", None))
+                params = {}
+            self._chunked_ok = "between" in params and callable(getattr(self.engine, "answer_ready", None))
+            self._early_ok = "on_result" in params
         return self._chunked_ok
+
+    def _on_result(self, i: int, result: dict) -> None:
+        """The engine knows row i of the running batch's result before the batch ends (a hit, before a new page's
+        long forward): its job gets it now."""
+        early = self._early
+        if early is None or not 0 <= i < len(early[0]):
+            return
+        t = early[0][i]
+        t.engine_s, t.early = time.perf_counter() - early[1], True
+        _settle(t.loop, t.result, result)
 
     def _between(self) -> None:
         """Called by the engine between the chunks of a long forward: the rows that arrived meanwhile and can be
@@ -310,6 +329,7 @@ class GpuThread:
             log.exception("engine failed on a batch of %d rows; answering them one at a time", len(rows))
             if len(rows) == 1:
                 return [_internal_error(e)]
+        self._early = None  # one at a time now: indices no longer match the batch's tickets
         results = []
         for row in rows:
             try:

@@ -98,7 +98,8 @@ async def stats(ctx: dict) -> dict:
     engine_stats = await gpu.call(lambda engine: dict(engine.stats()))
     return {
         "engine": engine_stats,
-        "worker": {**gpu.counters, "pending": gpu.pending(), "queued": backlog.queued, "in_flight": backlog.in_flight},
+        "worker": {**gpu.counters, "pending": gpu.pending(), "queued": backlog.queued, "in_flight": backlog.in_flight,
+                   **({"timing": ctx["metrics"].timing()} if ctx.get("metrics") is not None else {})},
     }
 
 
