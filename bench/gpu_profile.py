@@ -240,6 +240,103 @@ def closed_loop(engine, vocab, agents, seconds, seed, timeline_calls=60, prof=No
             "batch_stats": engine.cache.batch.stats if engine.cache.batch is not None else None}
 
 
+class FakeLoop:
+    """A thread running an asyncio loop that wakes every `every_s` and does `work_ms` of Python (msgpack of a
+    4k-token row, as arq's job handling does): the GIL contention the worker's event loop puts on the GPU thread."""
+
+    def __init__(self, every_s=0.01, rows_per_wake=1):
+        import threading
+
+        self.every_s, self.rows_per_wake, self.stop, self.wakes = every_s, rows_per_wake, False, 0
+        self.cpu = 0.0
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def run(self):
+        import asyncio
+
+        import msgpack
+
+        row = {"ids": list(range(1000, 5000)), "state_len": 3900, "slots": [3999], "nopts": [4]}
+
+        async def main():
+            while not self.stop:
+                for _ in range(self.rows_per_wake):
+                    msgpack.unpackb(msgpack.packb(row))
+                    repr(row)[:80]
+                self.wakes += 1
+                await asyncio.sleep(self.every_s)
+            self.cpu = time.thread_time()
+
+        asyncio.run(main())
+
+    def close(self):
+        self.stop = True
+        self.t.join(5)
+
+
+def contention(engine, vocab, agents, seconds):
+    out = {}
+    base_switch = sys.getswitchinterval()
+    for name, loop_kw, switch in (("alone", None, None), ("loop_100hz", {}, None),
+                                  ("loop_100hz_x8", {"rows_per_wake": 8}, None),
+                                  ("loop_100hz_x8_switch_0.5ms", {"rows_per_wake": 8}, 0.0005),
+                                  ("loop_100hz_x8_switch_20ms", {"rows_per_wake": 8}, 0.02)):
+        if switch is not None:
+            sys.setswitchinterval(switch)
+        fake = FakeLoop(**loop_kw) if loop_kw is not None else None
+        try:
+            got = closed_loop(engine, vocab, agents, seconds, seed=11 + len(out))
+        finally:
+            if fake is not None:
+                fake.close()
+            sys.setswitchinterval(base_switch)
+        got.pop("timeline", None)
+        got["fake_loop"] = None if fake is None else {"wakes": fake.wakes, "cpu_s": round(fake.cpu, 2)}
+        out[name] = got
+        log(name, got["rows_per_s"], got["phases"], got["fake_loop"])
+    return out
+
+
+def gputhread(engine, vocab, agents, seconds):
+    """The worker's GPU thread (worker/gpu_thread.py) with in-process asyncio agents: no Redis, no arq."""
+    import asyncio
+
+    from load_bench import AgentTrace
+
+    from worker.gpu_thread import GpuThread
+
+    gpu = GpuThread(lambda: engine)
+    gpu.start()
+    trace = AgentTrace(agents, seed=21, vocab=vocab)
+    lat, paths = {}, Counter()
+    phases0 = dict(engine.phases)
+
+    async def agent(i, t_end):
+        n = 0
+        while time.perf_counter() < t_end:
+            row = trace.next_row(i)
+            t0 = time.perf_counter()
+            res = await gpu.answer(row.wire())
+            p = res.get("path", "error")
+            paths[p] += 1
+            lat.setdefault(p, []).append(1e3 * (time.perf_counter() - t0))
+            n += 1
+        return n
+
+    async def main():
+        t0 = time.perf_counter()
+        ns = await asyncio.gather(*[agent(i, t0 + seconds) for i in range(agents)])
+        return sum(ns), time.perf_counter() - t0
+
+    rows, el = asyncio.run(main())
+    gpu.stop(5)
+    ph = {k: round(v - phases0.get(k, 0), 3) for k, v in engine.phases.items()}
+    return {"rows": rows, "seconds": round(el, 2), "rows_per_s": round(rows / el, 2), "paths": dict(paths),
+            "latency": {p: {"n": len(v), "p50_ms": round(statistics.median(v), 1)} for p, v in lat.items()},
+            "phases": ph, "counters": gpu.counters}
+
+
 def main():
     global OUT
     ap = argparse.ArgumentParser()
@@ -276,6 +373,10 @@ def main():
     if "closed_loop_late" in steps:  # answers only at the end of each batch (before on_result)
         step("closed_loop_late", lambda: closed_loop(engine, vocab, args.agents, args.seconds, seed=9, no_early=True),
              args.budget)
+    if "contention" in steps:
+        step("contention", lambda: contention(engine, vocab, args.agents, args.seconds), args.budget)
+    if "gputhread" in steps:
+        step("gputhread", lambda: gputhread(engine, vocab, args.agents, args.seconds), args.budget)
     if "profile" in steps:
         def prof_run():
             from torch.profiler import ProfilerActivity, profile
