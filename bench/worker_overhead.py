@@ -1,0 +1,107 @@
+"""What the worker itself costs per row, without a model: the real `arq worker.WorkerSettings` process and Redis,
+an engine that answers at once (`InstantEngine`), and N closed-loop agents sending 4k-token rows.
+
+    python bench/worker_overhead.py [--agents 16] [--seconds 10] [--tokens 4000] [--env K=V ...]
+
+Prints rows/s, latency p50 (enqueue to answer, all transport), and the worker process's CPU milliseconds per row
+(user + system, from /proc): the CPU its event loop (arq, Redis, msgpack, logging) takes per row, which on a GPU host
+competes for the GIL with the thread that drives the GPU (bench/gpu_profile.py's `contention` step measures what
+that costs the engine). `--env` passes settings to the worker (e.g. STATECACHE_POLL_DELAY_S=0.05) to compare.
+Linux only (/proc). Knows the worker only through its environment and Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+class InstantEngine:
+    """The engine contract (`answer`, `stats`) answering every row at once with uniform probabilities."""
+
+    def __init__(self, settings=None):
+        self.rows = 0
+
+    def answer(self, rows, waiting_rows=0):
+        self.rows += len(rows)
+        out = []
+        for r in rows:
+            n = r.get("nopts", [4]) if isinstance(r, dict) else [4]
+            out.append({"probs": [[1.0 / k] * k for k in n], "path": "hit", "reused": 0, "computed": 0})
+        return out
+
+    def stats(self):
+        return {"rows": self.rows}
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run(url: str, queue: str, agents: int, seconds: float, tokens: int, pid: int) -> dict:
+    from producer.client import Client
+
+    lat: list[float] = []
+    async with await Client.connect(url, queue) as client:
+        await client.answer({"ids": list(range(10, 300)), "state_len": 256, "slots": [289], "nopts": [4]})  # warm
+
+        async def agent(i: int, t_end: float) -> None:
+            rng = random.Random(i)
+            while time.perf_counter() < t_end:
+                ids = [rng.randrange(10, 500) for _ in range(tokens)]
+                t0 = time.perf_counter()
+                await client.answer({"ids": ids, "state_len": tokens - 40, "slots": [tokens - 1], "nopts": [4]})
+                lat.append(time.perf_counter() - t0)
+
+        c0, t0 = cpu_s(pid), time.perf_counter()
+        await asyncio.gather(*[agent(i, t0 + seconds) for i in range(agents)])
+        el, c1 = time.perf_counter() - t0, cpu_s(pid)
+    return {"agents": agents, "rows": len(lat), "rows_per_s": round(len(lat) / el, 1),
+            "p50_ms": round(1e3 * statistics.median(lat), 2), "worker_cpu_ms_per_row": round(1e3 * (c1 - c0) / len(lat), 3),
+            "worker_cpu_share": round((c1 - c0) / el, 3)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--agents", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--tokens", type=int, default=4000)
+    ap.add_argument("--env", nargs="*", default=[])
+    args = ap.parse_args(argv)
+    from producer.local_redis import LocalRedis
+
+    with LocalRedis() as redis_server:
+        queue = f"statecache:overhead:{os.getpid()}"
+        env = {**os.environ, "REDIS_URL": redis_server.url, "STATECACHE_QUEUE": queue,
+               "STATECACHE_ENGINE": "worker_overhead:InstantEngine", "STATECACHE_METRICS_PORT": "0",
+               "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env.update(kv.split("=", 1) for kv in args.env)
+        prof = ["-m", "cProfile", "-o", os.environ["WORKER_PROFILE"]] if os.environ.get("WORKER_PROFILE") else []
+        proc = subprocess.Popen([sys.executable, *prof, "-m", "arq", "worker.WorkerSettings"], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(3)
+            res = asyncio.run(run(redis_server.url, queue, args.agents, args.seconds, args.tokens, proc.pid))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    res["env"] = args.env
+    print(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
