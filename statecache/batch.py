@@ -15,8 +15,8 @@ and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `prec
 at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
 
 `rows_batched` (behind statecache.cache.StateCache.rows_batched) turns cache rows into pieces: each row restores its
-deepest checkpoint; its remaining chunks (those ending at checkpoint positions, then the question) run as steps, one
-packed forward per step for every row still going (split at the largest batch; a failing forward is halved until
+deepest checkpoint; its remaining chunks (those ending at checkpoint positions, each cut into pieces of at most
+MAX_PIECE tokens, then the question) run as steps, one packed forward per step for every row still going (split at the largest batch; a failing forward is halved until
 the failing row stands alone, and only that row is given back as None). A row that plants gets its own K/V of
 [0, p) up front (the restored prefix, then each step's chunk), so its next step reads them like any group's. It
 knows checkpoints' payload layout (conv, S) and groups' (K, V, serial) as statecache.cache makes them; nothing of
@@ -389,6 +389,9 @@ class BatchRunner:
 # ---- rows of the state cache --------------------------------------------------------------------------------------
 
 
+CKPT, MID, QUESTION = "ckpt", "mid", "question"  # the kinds of a row's pieces (see _Row.todo)
+
+
 @dataclass(eq=False)
 class _Row:
     i: int
@@ -397,7 +400,8 @@ class _Row:
     nopts: list
     p: int
     best: object  # the restored Checkpoint
-    todo: list  # [(s, e, plant)] still to run; the last one is the question [p, n)
+    todo: list  # [(s, e, kind)] still to run: CKPT (ends at a checkpoint), MID (part of a longer state chunk), the
+    # last one QUESTION [p, n)
     conv: torch.Tensor  # the state at the next piece's start
     S: torch.Tensor
     K: torch.Tensor
@@ -418,12 +422,15 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, max_piece: int) -> _
         return None
     ends = cache.plan(state_len, best.pos)
     todo, a = [], best.pos
-    for e in ends:
-        todo.append((a, e, True))
+    for e in ends:  # a state chunk longer than a batch piece runs as several pieces, the last one at the checkpoint
+        while e - a > max_piece:
+            todo.append((a, a + max_piece, MID))
+            a += max_piece
+        todo.append((a, e, CKPT))
         a = e
-    todo.append((p, n, False))
-    if any(e - a > max_piece for a, e, _ in todo):
+    if n - p > max_piece:  # a question longer than a piece: one at a time (no K/V buffer for its middle)
         return None
+    todo.append((p, n, QUESTION))
     conv, S = best.payload
     K, V = best.group.payload[:2]
     r = _Row(i, ids, list(slots), list(nopts), p, best, todo, conv, S, K, V)
@@ -440,14 +447,15 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
     """One forward of the rows' next pieces (halved on failure); returns the rows that failed."""
     pieces = []
     for r in rows:
-        s, e, plant = r.todo[0]
+        s, e, kind = r.todo[0]
+        ask = kind == QUESTION
         pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None,
-                            () if plant else tuple(r.slots), () if plant else tuple(r.nopts)))
+                            tuple(r.slots) if ask else (), tuple(r.nopts) if ask else ()))
     try:
         runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces))
         runner.load(pieces)
         out = runner.forward(pieces)
-        probs = runner.read(out) if any(not r.todo[0][2] for r in rows) else None  # waits for the GPU
+        probs = runner.read(out) if any(r.todo[0][2] == QUESTION for r in rows) else None  # waits for the GPU
     except Exception as ex:  # noqa: BLE001 - isolate the failing row by halving
         if len(rows) == 1:
             log.warning("batched row failed: %s: %s", type(ex).__name__, str(ex)[:200])
@@ -455,14 +463,15 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
         h = len(rows) // 2
         return _step(runner, rows[:h], log) + _step(runner, rows[h:], log)
     for b, r in enumerate(rows):  # the forward went through: snapshots, chunk K/V and answers
-        s, e, plant = r.todo.pop(0)
-        if plant:
+        s, e, kind = r.todo.pop(0)
+        if kind != QUESTION:  # a state piece: its K/V into the row's own buffer, its end state carried on
             Kc, Vc = runner.chunk_kv(pieces, b)
             r.newK[:, s:e].copy_(Kc)
             r.newV[:, s:e].copy_(Vc)
             r.conv, r.S = runner.st.conv[:, b].clone(), runner.st.S[:, b].clone()
             r.K, r.V = r.newK, r.newV
-            r.snaps.append((e, r.conv, r.S))
+            if kind == CKPT:
+                r.snaps.append((e, r.conv, r.S))
         else:
             r.probs = [probs[b, j, :k].tolist() for j, k in enumerate(r.nopts)]
     return []
@@ -470,8 +479,8 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
 
 def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
     """statecache.cache.StateCache.rows_batched: [(ids, state_len, slots, nopts)] -> [Answer | None]; None for a row
-    that has no checkpoint, whose remaining work does not fit a batch piece, or that failed (the caller runs those
-    one at a time)."""
+    that has no checkpoint, whose question does not fit a batch piece, or that failed (the caller runs those one at a
+    time)."""
     from .cache import Answer
 
     out: list = [None] * len(rows)

@@ -250,7 +250,7 @@ class StateCache:
     def rows_batched(self, rows) -> list[Answer | None]:
         """Rows [(ids, state_len, slots, nopts)] that continue from saved states, their short chunks run together in
         packed forwards (statecache.batch) -> one Answer per row, or None for a row left to the caller (no checkpoint
-        to continue from, remaining work longer than a batch piece, no batch runner, or it failed). Grown states
+        to continue from, a question longer than a batch piece, no batch runner, or it failed). Grown states
         plant their checkpoints as `row` does; the LRU is touched and enforced once at the end."""
         if self.batch is None or self.s.mb <= 0:
             return [None] * len(rows)

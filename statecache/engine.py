@@ -120,6 +120,8 @@ class Engine:
                                specialists=self.specialists)
         if self.precapture_info is not None:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
+            self.precapture_info["plain"] = self.plain.precapture()  # short lone rows: their graphs now
+            self.plain.capture_on_demand = False  # nothing is captured while serving (other lone rows run packed)
         # image rows (a checkpoint with a vision tower and an image processor): the tower loads before the cache's
         # budget is sized from the memory left
         self.embeddings = None

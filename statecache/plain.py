@@ -5,7 +5,8 @@ Two forms:
   throughput form for a backed-up queue.
 - single: one row alone, its tokens zero-padded to a multiple of `bucket` (everything is causal, so padding after
   the row changes nothing before it). On CUDA each (padded length, slot bucket) is one CUDA graph, captured on
-  first use into one shared pool, so a lone uncached row pays no Python or launch overhead. A shape that fails
+  first use into one shared pool (or, by an engine that precaptures, at start-up for short rows only: `precapture`;
+  then a shape without a graph runs packed), so a lone uncached row pays no Python or launch overhead. A shape that fails
   to capture is remembered and that row runs packed instead. A row that leaves checkpoints does not take this form:
   its delta rule is split at its own positions, which are not a shape a bucketed graph key can hold; with
   `plant_graphs` (experimental) it runs as pieces of graphs cut at the delta rules (statecache.plant.PlantGraphs).
@@ -53,6 +54,9 @@ class PlainPath:
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)  # single rows padded to `bucket`
         self.bucket, self.max_graph_tokens = bucket, max_graph_tokens
         self.graphs: dict[tuple[int, int], _Graph | None] = {}
+        # capture a lone row's graph on its shape's first use; an engine that precaptured turns this off, so nothing
+        # is captured while it serves (a shape never met runs packed instead)
+        self.capture_on_demand = True
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.failures: list[str] = []
@@ -198,6 +202,20 @@ class PlainPath:
         g.graph, g.out = got
         return g
 
+    def precapture(self, max_tokens: int = 512, slot_buckets=(SLOT_BUCKETS[0],)) -> dict:
+        """Capture the lone-row graphs of short rows now (padded lengths up to max_tokens, the given slot buckets):
+        where a graph saves most (a short row run eagerly is host-bound); longer lone rows run packed once
+        `capture_on_demand` is off. Returns the count and seconds spent."""
+        import time
+
+        t0 = time.perf_counter()
+        if self.use_graphs:
+            for T in range(self.bucket, min(max_tokens, self.max_graph_tokens) + 1, self.bucket):
+                for S in slot_buckets:
+                    if (T, S) not in self.graphs:
+                        self.graphs[(T, S)] = self._capture(T, S)
+        return {"graphs": sum(g is not None for g in self.graphs.values()), "seconds": round(time.perf_counter() - t0, 2)}
+
     def _single(self, ids, slots, nopts) -> tuple[list[list[float]], int | None] | None:
         key = self.shape(len(ids), len(slots))
         if key is None:
@@ -206,6 +224,8 @@ class PlainPath:
         inp = pack_inputs(T, S, ids, slots, nopts, (len(ids),))
         if self.use_graphs:
             if key not in self.graphs:
+                if not self.capture_on_demand:  # serving: no capture stalls; the row runs packed (eagerly)
+                    return None
                 self.graphs[key] = self._capture(T, S)
             g = self.graphs[key]
             if g is None:

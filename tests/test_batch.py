@@ -107,6 +107,33 @@ def test_rows_that_cannot_batch_are_left_to_the_caller():
     assert cache.rows_batched(rows) == [None] * 4
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
+def test_a_state_grown_by_more_than_a_piece_runs_batched(pad):
+    """A grown state whose new chunk is longer than a batch piece (128 tokens) runs as several pieces in successive
+    batched steps beside a hit; it plants its checkpoints as the one-at-a-time path does, and a later row hits its new
+    end."""
+    cache = batch_cache(pad)
+    s, t = toks(300, 80), toks(200, 81)
+    cache.row(*row(s, 5, 0))
+    cache.row(*row(t, 5, 1))
+    grown = s + toks(330, 82)  # from p 256 to p 576: 320 new state tokens, cut into 128 + 128 + 64
+    rows = [row(grown, 6, 2), row(t, 9, 3)]
+    forwards, made = cache.batch.stats["forwards"], cache.stats["ckpts_made"]
+    ans = cache.rows_batched(rows)
+    check(cache, rows, ans)
+    assert [a.path for a in ans] == ["partial", "hit"]
+    assert ans[0].reused == 256 and cache.batch.stats["forwards"] - forwards >= 3
+    solo = make_cache(pad)  # the one-at-a-time path plants as many checkpoints for the grown state
+    solo.row(*row(s, 5, 0))
+    solo_made = solo.stats["ckpts_made"]
+    solo.row(*rows[0])
+    assert cache.stats["ckpts_made"] - made == solo.stats["ckpts_made"] - solo_made > 0
+    later = row(grown, 11, 4)
+    hit = cache.rows_batched([later])[0]
+    assert hit.path == "hit" and hit.reused == 576
+    check(cache, [later], [hit])
+
+
 def test_a_bad_row_fails_alone():
     cache = batch_cache()
     states = [toks(300, 80 + k) for k in range(3)]

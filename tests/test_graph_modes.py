@@ -88,6 +88,20 @@ def test_lone_plain_rows_through_replayed_graphs(fake_graphs):
     assert plain.graphs[(64, 16)] is None and plain.stats["capture_failed"] == 1
 
 
+def test_precaptured_plain_graphs_and_no_capture_while_serving(fake_graphs):
+    """An engine that precaptures: short lone rows' graphs at start-up, then nothing captured while serving; a lone
+    row of a shape without a graph runs packed, with the same answer."""
+    plain = PlainPath(small_model(), TorchKernels(), graphs=True, pool="shared")
+    info = plain.precapture(max_tokens=128)
+    assert sorted(plain.graphs) == [(64, 4), (128, 4)] and info["graphs"] == 2
+    plain.capture_on_demand = False
+    rows = [(toks(n, 95 + n), [n - 1], [4]) for n in (50, 120, 300)]
+    for row in rows:
+        assert_close(plain.forward([row])[0], reference(*row))
+    assert sorted(plain.graphs) == [(64, 4), (128, 4)] and len(fake_graphs["captures"]) == 2
+    assert plain.graphs[(64, 4)].graph.replays == 1 and plain.graphs[(128, 4)].graph.replays == 1
+
+
 def test_fill_inputs_layout_and_no_stale_values():
     """A graph's input buffer is reused run after run: a shorter row must leave nothing of the longer one behind."""
     import numpy as np
