@@ -299,7 +299,7 @@ class Engine:
     def _phase(self, name: str, rows: int, t0: float, c0: float | None = None) -> None:
         self.phases[f"{name}_s"] += time.perf_counter() - t0
         self.phases[f"{name}_rows"] += rows
-        if c0 is not None:  # this thread's CPU seconds: well below the wall seconds means it waited (GPU, GIL)
+        if c0 is not None:  # this thread's CPU seconds (a CUDA synchronisation that spins counts as CPU time too)
             self.phases[f"{name}_cpu_s"] += time.thread_time() - c0
 
     def _run(self, todo, batch_rows: int, waiting_rows: int, results) -> None:
