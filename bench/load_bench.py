@@ -2,7 +2,7 @@
 `statecache score`, and transformers on a sample of the same rows; JSON, a markdown table and plots in --out.
 
     python bench/load_bench.py --out DIR [--model CKPT] [--agents 1,4,16,64] [--seconds 30] [--rows 0]
-                               [--score-rows 200] [--score-warmup 40] [--hf-rows 16] [--cache-mb N]
+                               [--score-rows 200] [--score-warmup 40] [--hf-rows 16] [--cache-mb N] [--profile-s S]
 
 The trace (`AgentTrace`): each agent has a state `goal | steps | page` of 2-6k tokens (token rows: random ids from
 a seeded RNG below the model's vocabulary). A visit asks 1-3 questions about the state (10-90 tokens each, 1-2
@@ -320,8 +320,21 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
             trace = AgentTrace(n, seed=args.seed * 1000 + 1 + k, vocab=vocab, min_state=args.min_state,
                                max_state=args.max_state)
             print(f"[load] {n} agents for {args.seconds} s ...", file=sys.stderr, flush=True)
+            prof = None
+            if args.profile_s > 0:  # in the middle of the run, while the agents keep going
+                async def profile_later():
+                    await asyncio.sleep(max(0.0, (args.seconds - args.profile_s) / 2))
+                    return await client.profile(args.profile_s, rows=40)
+                prof = asyncio.ensure_future(profile_later())
             records, elapsed = await run_agents(client, trace, args.seconds, args.rows, args.job_timeout_s)
             s = summarise(records, elapsed)
+            if prof is not None:
+                try:
+                    s["worker_profile"] = await prof
+                    print(f"[load] {n} agents, worker profile: phases {s['worker_profile']['phases']}\n"
+                          f"{s['worker_profile']['device_table']}", file=sys.stderr, flush=True)
+                except Exception as e:  # noqa: BLE001 - the numbers stand without it
+                    s["worker_profile"] = {"error": f"{type(e).__name__}: {e}"}
             try:
                 st = await client.stats(timeout_s=60)
                 s["worker_stats"] = st
@@ -632,6 +645,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="transformers' device (default: cuda when available)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-worker", action="store_true")
+    ap.add_argument("--profile-s", type=float, default=0.0,
+                    help="profile the worker's engine thread this long in the middle of each agents count (the `profile` "
+                         "job; tables in results.json; the profiler slows that stretch)")
     args = ap.parse_args(argv)
     args.agents = [int(x) for x in args.agents.split(",") if x.strip()]
     return args

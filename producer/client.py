@@ -30,7 +30,7 @@ from arq.connections import ArqRedis, RedisSettings, create_pool
 from arq.jobs import deserialize_result
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError, WatchError
 
-from statecache.protocol import JOB_ANSWER, JOB_STATS, RESULT_KEY_PREFIX, RemoteJobError, deserialize, done_channel
+from statecache.protocol import JOB_ANSWER, JOB_PROFILE, JOB_STATS, RESULT_KEY_PREFIX, RemoteJobError, deserialize, done_channel
 from statecache.protocol import serialize
 from statecache.settings import Settings
 
@@ -145,6 +145,14 @@ class Client:
     async def stats(self, timeout_s: float = 10.0) -> dict:
         """The engine's cache counters and the worker's batch counters (from one worker)."""
         return await self._run(JOB_STATS, (), timeout_s)
+
+    async def profile(self, seconds: float = 5.0, rows: int = 40, timeout_s: float | None = None) -> dict:
+        """torch.profiler over one worker's engine thread for `seconds` while it serves (slower meanwhile): text
+        tables of the top `rows` ops by host and by device time, and the engine's phases over that stretch."""
+        got = await self._run(JOB_PROFILE, (seconds, rows), timeout_s if timeout_s is not None else seconds + 60)
+        if isinstance(got, dict) and "error" in got:
+            raise RowRejected(got["error"].get("code", "bad_job"), got["error"].get("message", ""))
+        return got
 
     async def _run(self, function: str, args: tuple, timeout_s: float | None) -> Any:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s

@@ -37,6 +37,7 @@ from arq.constants import result_key_prefix
 QUEUE_NAME = default_queue_name  # arq's default queue ("arq:queue"): what a bare enqueue_job uses
 JOB_ANSWER = "answer"
 JOB_STATS = "stats"
+JOB_PROFILE = "profile"  # torch.profiler over the worker's engine thread for a few seconds, while rows flow
 JOB_UNDECODABLE = "statecache:undecodable"  # what the worker runs in place of a job it could not decode
 HEALTH_KEY_SUFFIX = health_check_key_suffix  # arq's: QUEUE + this lives while a ready worker serves QUEUE
 DONE_CHANNEL_SUFFIX = ":done"  # pub/sub channel QUEUE + this: job ids published once their result is stored

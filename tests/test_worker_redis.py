@@ -195,3 +195,24 @@ def test_pickled_payload_never_unpickled():
     with pytest.raises(Exception):
         deserialize(pickle.dumps({"f": "answer", "a": [Boom()], "k": {}, "t": 1, "et": 0}))
     assert not hasattr(builtins, "STATECACHE_PWNED")
+
+
+def test_profile_a_running_worker(redis_url, queue_name, engine):
+    """The `profile` job: torch.profiler over the engine's thread while rows are answered; tables of ops and the
+    engine's phases over that stretch; bad arguments get an error result, not a dead worker."""
+    with InProcessWorker(redis_url, queue_name, lambda: engine):
+
+        async def main():
+            async with await connect(redis_url, queue_name) as client:
+                prof = asyncio.ensure_future(client.profile(1.0, rows=15))
+                await asyncio.sleep(0.2)
+                answers = [await client.answer(long_row(200 + 64 * k, 5)) for k in range(3)]
+                got = await prof
+                with pytest.raises(RowRejected, match="seconds in"):
+                    await client.profile(0)
+                return answers, got, await client.answer(ROW)
+
+        answers, got, after = run(main())
+    assert all("probs" in a for a in answers) and "probs" in after
+    assert got["seconds"] == 1.0 and "aten::" in got["host_table"] and "Name" in got["device_table"]
+    assert got["phases"]["packed_rows"] + got["phases"]["batched_rows"] + got["phases"]["one_by_one_rows"] >= 1

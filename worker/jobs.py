@@ -103,6 +103,51 @@ async def stats(ctx: dict) -> dict:
     }
 
 
+PROFILE_MAX_S = 60.0  # the longest profile a `profile` job may ask for
+
+
+async def profile(ctx: dict, seconds: float = 5.0, rows: int = 40) -> dict:
+    """torch.profiler over the engine's thread for `seconds` while the worker goes on serving (the profiler slows
+    it while it runs): the top `rows` ops by host time and by device time, as text tables, and the engine's phases
+    over the same stretch. Where the worker's time goes, asked of a running worker (`Client.profile`)."""
+    gpu: GpuThread = ctx["gpu"]
+    try:
+        seconds = float(seconds)
+        rows = int(rows)
+    except (TypeError, ValueError):
+        return error_result("bad_job", f"profile takes seconds (a number) and rows (an int), got {seconds!r}, {rows!r}")
+    if not 0 < seconds <= PROFILE_MAX_S or not 0 < rows <= 500:
+        return error_result("bad_job", f"profile: seconds in (0, {PROFILE_MAX_S:g}], rows in (0, 500]; got {seconds}, {rows}")
+    held: dict = {}
+
+    def start(engine) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        held["prof"] = torch_profile(activities=acts)
+        held["prof"].__enter__()
+        held["phases"] = dict(getattr(engine, "phases", {}) or {})
+
+    def stop(engine) -> dict:
+        prof = held["prof"]
+        prof.__exit__(None, None, None)
+        ka = prof.key_averages()
+        phases = {k: round(v - held["phases"].get(k, 0), 3) for k, v in (getattr(engine, "phases", {}) or {}).items()}
+        by_device = "cuda_time_total" if any(getattr(e, "device_time_total", 0) for e in ka) else "cpu_time_total"
+        return {"seconds": seconds, "phases": phases,
+                "host_table": ka.table(sort_by="cpu_time_total", row_limit=rows),
+                "device_table": ka.table(sort_by=by_device, row_limit=rows)}
+
+    await gpu.call(start)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        got = await gpu.call(stop)
+    return got
+
+
 def import_callable(path: str) -> Any:
     """'package.module:attr.attr' -> the object."""
     module_name, _, attrs = path.partition(":")

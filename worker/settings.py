@@ -13,9 +13,9 @@ from __future__ import annotations
 from arq.connections import RedisSettings
 from arq.worker import func
 
-from statecache.protocol import JOB_ANSWER, JOB_STATS, JOB_UNDECODABLE
+from statecache.protocol import JOB_ANSWER, JOB_PROFILE, JOB_STATS, JOB_UNDECODABLE
 from statecache.settings import Settings
-from worker.jobs import answer, job_ended, job_started, shutdown, startup, stats, undecodable
+from worker.jobs import answer, job_ended, job_started, profile, shutdown, startup, stats, undecodable
 from worker.resilient import ResilientRedis
 from worker.serial import job_deserializer, job_serializer
 
@@ -32,6 +32,7 @@ def worker_settings(settings: Settings) -> dict:
         "functions": [
             func(answer, name=JOB_ANSWER),
             func(stats, name=JOB_STATS, max_tries=1),
+            func(profile, name=JOB_PROFILE, max_tries=1),
             func(undecodable, name=JOB_UNDECODABLE, max_tries=1),
         ],
         "redis_settings": RedisSettings.from_dsn(settings.redis_url),
