@@ -1,7 +1,7 @@
 """What the worker itself costs per row, without a model: the real `arq worker.WorkerSettings` process and Redis,
 an engine that answers at once (`InstantEngine`), and N closed-loop agents sending 4k-token rows.
 
-    python bench/worker_overhead.py [--agents 16] [--seconds 10] [--tokens 4000] [--env K=V ...]
+    python bench/worker_overhead.py [--agents 16] [--seconds 10] [--tokens 4000] [--engine-ms 0] [--env K=V ...]
 
 Prints rows/s, latency p50 (enqueue to answer, all transport), and the worker process's CPU milliseconds per row
 (user + system, from /proc): the CPU its event loop (arq, Redis, msgpack, logging) takes per row, which on a GPU host
@@ -32,9 +32,12 @@ class InstantEngine:
 
     def __init__(self, settings=None):
         self.rows = 0
+        self.busy_s = float(os.environ.get("OVERHEAD_ENGINE_MS", "0")) / 1e3  # a batch's time (GIL released)
 
     def answer(self, rows, waiting_rows=0):
         self.rows += len(rows)
+        if self.busy_s:
+            time.sleep(self.busy_s)
         out = []
         for r in rows:
             n = r.get("nopts", [4]) if isinstance(r, dict) else [4]
@@ -80,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--env", nargs="*", default=[])
+    ap.add_argument("--engine-ms", type=float, default=0.0,
+                    help="the engine holds each batch this long (GIL released, as a GPU wait): jobs stay in flight")
     args = ap.parse_args(argv)
     from producer.local_redis import LocalRedis
 
@@ -89,6 +94,7 @@ def main(argv=None) -> int:
                "STATECACHE_ENGINE": "worker_overhead:InstantEngine", "STATECACHE_METRICS_PORT": "0",
                "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
         env.update(kv.split("=", 1) for kv in args.env)
+        env["OVERHEAD_ENGINE_MS"] = str(args.engine_ms)
         prof = ["-m", "cProfile", "-o", os.environ["WORKER_PROFILE"]] if os.environ.get("WORKER_PROFILE") else []
         proc = subprocess.Popen([sys.executable, *prof, "-m", "arq", "worker.WorkerSettings"], cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -98,7 +104,7 @@ def main(argv=None) -> int:
         finally:
             proc.terminate()
             proc.wait(10)
-    res["env"] = args.env
+    res["env"], res["engine_ms"] = args.env, args.engine_ms
     print(res)
     return 0
 

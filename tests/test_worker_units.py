@@ -279,3 +279,35 @@ def test_metrics_read_engine_stats_defensively():
 def test_import_callable():
     assert import_callable("tests.fakes:GatedEngine") is GatedEngine
     assert import_callable("os.path:join.__name__") == "join"
+
+
+def test_decoded_rows_are_dicts_with_a_short_repr():
+    """arq logs every job's arguments with repr(): a decoded row is a dict whose repr is a short summary."""
+    decode = job_deserializer(10**6)
+    job = {"t": 1, "f": "answer", "a": [{**ROW, "ids": list(range(4000))}], "k": {"row": ROW}, "et": 123}
+    got = decode(serialize(job))
+    assert got == job and isinstance(got["a"][0], dict) and isinstance(got["k"]["row"], dict)
+    assert repr(got["a"][0]) == "<row: 4000 ids>" and len(repr(got["k"])) < 40
+    assert deserialize(serialize(got["a"][0])) == job["a"][0]  # it encodes as the map it is
+
+
+def test_the_poll_skips_jobs_running_here(redis_url, queue_name):
+    """ResilientRedis.zrangebyscore drops the ids of jobs this worker runs (arq would check each in a transaction on
+    every poll); without that hook, or asked for scores, it answers as Redis does."""
+    from worker.resilient import ResilientRedis
+
+    async def main():
+        pool = ResilientRedis.from_dsn(redis_url)
+        try:
+            await pool.zadd(queue_name, {"a": 1, "b": 2, "c": 3})
+            plain = await pool.zrangebyscore(queue_name, min=float("-inf"), max=10, start=0, num=10)
+            pool.running_here = lambda: {"a", "c"}
+            skipped = await pool.zrangebyscore(queue_name, min=float("-inf"), max=10, start=0, num=10)
+            scored = await pool.zrangebyscore(queue_name, float("-inf"), 10, withscores=True)
+            await pool.delete(queue_name)
+            return plain, skipped, scored
+        finally:
+            await pool.aclose()
+
+    plain, skipped, scored = run(main())
+    assert plain == [b"a", b"b", b"c"] and skipped == [b"b"] and len(scored) == 3

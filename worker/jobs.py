@@ -205,6 +205,8 @@ async def startup(ctx: dict) -> None:
     arq_worker = _arq_worker()
     if arq_worker is not None:
         arq_worker.on_stop = _on_stop(redis, arq_worker)
+        if hasattr(redis, "running_here"):  # arq's poll skips the jobs running here without asking Redis each time
+            redis.running_here = lambda: {job_id for job_id, task in arq_worker.tasks.items() if not task.done()}
     if hasattr(redis, "on_change"):
         redis.on_change = lambda up: metrics.redis_up.set(1 if up else 0)
     port = metrics.serve(settings.metrics_port)

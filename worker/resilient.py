@@ -39,6 +39,9 @@ class ResilientRedis(ArqRedis):
         self.on_change: Callable[[bool], None] | None = None  # called with the new state (metrics)
         self._giving_up = False
         self._failures = 0
+        # the ids of jobs this worker is running now (set by worker.jobs at start-up from arq's own task table): see
+        # zrangebyscore
+        self.running_here: Callable[[], set[str]] | None = None
 
     @classmethod
     def from_dsn(cls, url: str, **kwargs: Any) -> "ResilientRedis":
@@ -83,6 +86,18 @@ class ResilientRedis(ArqRedis):
                 continue
             self.back()
             return result
+
+    async def zrangebyscore(self, name: Any, *args: Any, **kwargs: Any) -> Any:
+        """As Redis's, less the jobs this worker is running now. arq's poll reads the queue's first ids every
+        `poll_delay` and, for each, runs a WATCH / EXISTS / ZSCORE transaction to find out it is already in progress;
+        a job stays in the queue until it ends, so with jobs waiting on the model that was three round trips per
+        running job per poll: most of a core of event-loop Python under load (bench/worker_overhead.py
+        --engine-ms), taken from the thread that drives the GPU. Ids arq would skip anyway are dropped here."""
+        ids = await super().zrangebyscore(name, *args, **kwargs)
+        running = self.running_here() if self.running_here is not None else None
+        if not running or kwargs.get("withscores") or (len(args) > 4 and args[4]):
+            return ids
+        return [j for j in ids if (j.decode() if isinstance(j, bytes) else str(j)) not in running]
 
     async def close(self, close_connection_pool: bool | None = None) -> None:  # arq calls the deprecated name
         await self.aclose(close_connection_pool)
