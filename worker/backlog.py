@@ -18,7 +18,8 @@ from arq.utils import timestamp_ms
 
 log = logging.getLogger("statecache.worker")
 
-READ_EVERY_S = 0.02  # the Redis backlog (ZCOUNT of ready jobs) is read at most this often
+READ_EVERY_S = 0.25  # the Redis backlog (ZCOUNT of ready jobs) is read at most this often (it informs the cold_ok
+# policy and a gauge; every read is a round trip and an event-loop wake-up beside the GPU thread)
 
 
 class Backlog:
