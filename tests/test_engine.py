@@ -517,6 +517,50 @@ def test_gpu_thread_hands_a_hit_back_before_its_batch_ends():
     assert gpu.counters["batches"] == 1
 
 
+def test_gpu_thread_offers_a_row_needing_a_long_forward_once_per_batch():
+    """A new state queued behind a long batch: `between` offers it to answer_ready once (declined: it needs its own
+    forward), not at every later callback of that batch; the next batch answers it."""
+    import asyncio
+    import threading
+
+    from statecache.engine import Engine
+    from worker.gpu_thread import GpuThread
+
+    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128))
+    queued = threading.Event()
+    offered = []
+
+    class Watched:
+        def answer(self, rows, waiting_rows=0, between=None):
+            def gated():
+                queued.wait(10)
+                between()
+            return eng.answer(rows, between=gated if between else None)
+
+        def answer_ready(self, rows):
+            offered.append(len(rows))
+            return eng.answer_ready(rows)
+
+    gpu = GpuThread(lambda: Watched())
+    gpu.start()
+
+    async def main():
+        long_task = asyncio.ensure_future(gpu.answer(row(toks(900, 72), 6, 2)))  # `between` every 4 of its 8 layers
+        while not gpu.busy:
+            await asyncio.sleep(0.005)
+        new_task = asyncio.ensure_future(gpu.answer(row(toks(300, 73), 4, 3)))
+        while gpu.pending() == 0:
+            await asyncio.sleep(0.005)
+        queued.set()
+        return await long_task, await new_task
+
+    long_res, new_res = asyncio.run(main())
+    assert gpu.stop(5)
+    assert long_res["path"] == "cold" and new_res["path"] == "cold"
+    assert offered == [1]  # one offer during the long batch, though `between` ran twice in it
+    assert gpu.counters["batches"] == 2
+
+
 def test_stats_say_where_a_batch_spent_its_time(engine):
     """Engine.stats()["phases"]: wall seconds and rows of the batched call, the packed forward, the one-at-a-time
     path and the `between` callbacks (what the load benchmark reads to see where a batch's time goes)."""

@@ -11,7 +11,8 @@ handing it the whole drained batch at once is this thread's. After each batch, `
 results and timings and a snapshot of `engine.stats()` (for the metrics). While a batch runs a long forward,
 an engine that takes a `between` callback calls it between its chunks; rows that arrived meanwhile and can be
 answered at once (`engine.answer_ready`: memo answers, continuations of saved states) are answered then (they
-reach the model and resolve there), the rest stay queued for the next batch (chunked prefill).
+reach the model and resolve there), the rest stay queued for the next batch (chunked prefill) and are not offered
+again while this batch runs.
 
 The worker never dies of a row: if the engine raises on a batch, the rows are retried one at a time and a
 row that still raises gets an `internal` error result. Rows whose job was cancelled or withdrawn meanwhile
@@ -99,6 +100,7 @@ class GpuThread:
         self.engine_stats: dict = {}  # the last engine.stats() snapshot (taken on this thread after each batch)
         self.busy = False  # a batch is running
         self._early: tuple | None = None  # (the running batch's tickets, its start) for answers handed back early
+        self._declined: set[int] = set()  # see _run_batch_inner and _between
         self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "engine_errors": 0, "busy_s": 0.0, "between_rows": 0}
 
     # --- event-loop side ---------------------------------------------------------------------------------
@@ -224,6 +226,7 @@ class GpuThread:
             _settle(t.loop, t.reached, True)
         waiting = max(0, int(self._waiting(self.pending())))
         t0 = time.perf_counter()
+        self._declined = set()  # ids of queued tickets `between` found needing a long forward, during this batch
         self._early = (rows, t0)
         try:
             results = self._answer([t.payload for t in rows], waiting)
@@ -287,7 +290,8 @@ class GpuThread:
         with self._cv:
             if not self._items or self._stopping:
                 return
-            taken = [t for t in self._items if t.kind == "row" and not t.dead()][: self._max_batch_rows]
+            taken = [t for t in self._items if t.kind == "row" and not t.dead() and id(t) not in self._declined]
+            taken = taken[: self._max_batch_rows]
             if not taken:
                 return
             ids = {id(t) for t in taken}
@@ -304,6 +308,9 @@ class GpuThread:
         done = [(t, r) for t, r in zip(taken, results) if r is not None]
         back = [t for t, r in zip(taken, results) if r is None]
         if back:
+            # they need a long forward of their own: not offered again until this batch ends (each offer re-checks
+            # the row on this thread, which a long forward's host time can least afford)
+            self._declined.update(id(t) for t in back)
             with self._cv:
                 self._items.extendleft(reversed(back))
         self.counters["between_rows"] += len(done)
