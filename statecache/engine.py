@@ -65,7 +65,7 @@ class Engine:
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
                  specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
-                 auto_budget: bool | None = None):
+                 auto_budget: bool | None = None, between_layers: int = 4):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -118,6 +118,7 @@ class Engine:
                      f"; failed: {info['failed']}" if info["failed"] else "")
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
                                specialists=self.specialists)
+        self.plain.between_layers = between_layers  # chunked prefill's step in a packed forward (0: none inside it)
         if self.precapture_info is not None:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
             self.precapture_info["plain"] = self.plain.precapture()  # short lone rows: their graphs now
@@ -205,7 +206,7 @@ class Engine:
         s = settings if settings is not None else Settings.from_env()
         args = dict(settings=s.cache_settings(), auto_budget=s.cache_mb is None, compile=s.compile, precapture=s.precapture,
                     cold_ok=load_policy(s.cold_ok), cache_fraction=s.cache_fraction, specialists=s.specialists,
-                    batch=s.batch, home=s.home)
+                    batch=s.batch, home=s.home, between_layers=s.between_layers)
         if s.max_row_tokens is not None:
             args["max_row_tokens"] = s.max_row_tokens
         return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})

@@ -57,6 +57,7 @@ class PlainPath:
         # capture a lone row's graph on its shape's first use; an engine that precaptured turns this off, so nothing
         # is captured while it serves (a shape never met runs packed instead)
         self.capture_on_demand = True
+        self.between_layers = 4  # a packed forward calls `between` every this many layers (0: never inside it)
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.failures: list[str] = []
@@ -151,7 +152,8 @@ class PlainPath:
                              len(cfg.full_layers))
         else:
             mix = PackedMixer(self.kernels, cu, max(lens))
-        mix.every_layers = between
+        if between is not None and self.between_layers > 0:
+            mix.every_layers, mix.layers_every = between, self.between_layers
         lora = None
         if self.spec is not None:
             seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)

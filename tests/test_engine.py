@@ -561,6 +561,17 @@ def test_gpu_thread_offers_a_row_needing_a_long_forward_once_per_batch():
     assert gpu.counters["batches"] == 2
 
 
+@pytest.mark.parametrize("layers,calls", [(4, 2), (2, 4), (0, 0)])
+def test_the_packed_forward_calls_back_every_between_layers(layers, calls):
+    """STATECACHE_BETWEEN_LAYERS: a new state's packed forward (the tiny model: 8 layers) calls `between` every that
+    many layers; 0 never inside it."""
+    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64),
+                 between_layers=layers)
+    seen = []
+    res = eng.answer([row(toks(300, 81), 5, 1)], between=lambda: seen.append(1))
+    assert res[0]["path"] == "cold" and len(seen) == calls
+
+
 def test_stats_say_where_a_batch_spent_its_time(engine):
     """Engine.stats()["phases"]: wall seconds and rows of the batched call, the packed forward, the one-at-a-time
     path and the `between` callbacks (what the load benchmark reads to see where a batch's time goes)."""
