@@ -157,8 +157,8 @@ class Engine:
 
         # lengths: the Triton kernels (fla's and ours) specialise on whether integer arguments such as the packed
         # token count are multiples of 16, so the sets cover both classes; then batches like agents' new pages
-        # (1-8 rows of 1-5k tokens; a forward past plain_tokens splits): on an H200 a first 4- and 8-row batch each
-        # took ~10 s more than later ones when only the first three sets were warmed
+        # (1-8 rows of 1-5k tokens; a forward past plain_tokens splits): with only the first three sets, a first 4-
+        # and 8-row batch each paid seconds of compilation while serving (bench/README.md, session 5)
         sizes = [(1100,), (3100, 2100), (700, 1500, 2600), (1117, 2203), (1600, 2405, 3003, 1571)]
         for k, count in enumerate((1, 2, 3, 4, 6, 8)):
             sizes.append(tuple(int(x) for x in torch.randint(1000, 5000, (count,), generator=gen)))

@@ -247,7 +247,7 @@ class FlaKernels(TorchKernels):
         64-token chunk indices, made once per `cu` object and then reused by every layer. fla derives the chunk
         indices itself when not given them, reading the offsets on the host (a device synchronisation) in every
         call whose argument it has not cached: per layer, and per delta-rule call of a planting split, the GPU ran
-        dry while the host waited and then re-queued (measured on an H200: 40% idle under agents' load)."""
+        dry while the host waited and then re-queued (bench/README.md, session 5)."""
         if cu is None:
             return {}
         for ref, got in self._varlen_memo:

@@ -91,8 +91,8 @@ class ResilientRedis(ArqRedis):
         """As Redis's, less the jobs this worker is running now. arq's poll reads the queue's first ids every
         `poll_delay` and, for each, runs a WATCH / EXISTS / ZSCORE transaction to find out it is already in progress;
         a job stays in the queue until it ends, so with jobs waiting on the model that was three round trips per
-        running job per poll: most of a core of event-loop Python under load (bench/worker_overhead.py
-        --engine-ms), taken from the thread that drives the GPU. Ids arq would skip anyway are dropped here."""
+        running job per poll: event-loop Python under the GIL the thread that drives the GPU needs
+        (bench/worker_overhead.py --engine-ms). Ids arq would skip anyway are dropped here."""
         ids = await super().zrangebyscore(name, *args, **kwargs)
         running = self.running_here() if self.running_here is not None else None
         if not running or kwargs.get("withscores") or (len(args) > 4 and args[4]):

@@ -30,8 +30,8 @@ class JobRefused(Exception):
 
 class QuietDict(dict):
     """A job argument that is a map (a row), with a short repr. arq logs every job's arguments through repr() and
-    truncates the text after: a 4k-token row cost ~0.4 ms of event-loop time a job (bench/worker_overhead.py) for
-    80 characters of log. Everything else sees a dict."""
+    truncates the text after, so a long row's repr was event-loop time spent for 80 characters of log
+    (bench/worker_overhead.py). Everything else sees a dict."""
 
     def __repr__(self) -> str:
         ids = self.get("ids")
