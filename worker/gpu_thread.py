@@ -100,7 +100,7 @@ class GpuThread:
         self.engine_stats: dict = {}  # the last engine.stats() snapshot (taken on this thread after each batch)
         self.busy = False  # a batch is running
         self._early: tuple | None = None  # (the running batch's tickets, its start) for answers handed back early
-        self._declined: set[int] = set()  # see _run_batch_inner and _between
+        self._declined: set[Ticket] = set()  # see _run_batch_inner and _between
         self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "engine_errors": 0, "busy_s": 0.0, "between_rows": 0}
 
     # --- event-loop side ---------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ class GpuThread:
             _settle(t.loop, t.reached, True)
         waiting = max(0, int(self._waiting(self.pending())))
         t0 = time.perf_counter()
-        self._declined = set()  # ids of queued tickets `between` found needing a long forward, during this batch
+        self._declined = set()  # queued tickets `between` found needing a long forward, during this batch
         self._early = (rows, t0)
         try:
             results = self._answer([t.payload for t in rows], waiting)
@@ -290,7 +290,7 @@ class GpuThread:
         with self._cv:
             if not self._items or self._stopping:
                 return
-            taken = [t for t in self._items if t.kind == "row" and not t.dead() and id(t) not in self._declined]
+            taken = [t for t in self._items if t.kind == "row" and not t.dead() and t not in self._declined]
             taken = taken[: self._max_batch_rows]
             if not taken:
                 return
@@ -310,7 +310,7 @@ class GpuThread:
         if back:
             # they need a long forward of their own: not offered again until this batch ends (each offer re-checks
             # the row on this thread, which a long forward's host time can least afford)
-            self._declined.update(id(t) for t in back)
+            self._declined.update(back)
             with self._cv:
                 self._items.extendleft(reversed(back))
         self.counters["between_rows"] += len(done)
