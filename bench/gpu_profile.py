@@ -69,6 +69,11 @@ def step(name, fn, budget):
     save()
 
 
+def phases_since(engine, before: dict) -> dict:
+    """The engine's phase counters (Engine.phases) accumulated since the snapshot `before`."""
+    return {k: round(v - before.get(k, 0), 3) for k, v in engine.phases.items()}
+
+
 def rand_ids(rng, n, vocab):
     return [rng.randrange(vocab[0], vocab[1]) for _ in range(n)]
 
@@ -169,7 +174,7 @@ def hits(engine, vocab):
 
 
 def closed_loop(engine, vocab, agents, seconds, seed, timeline_calls=60, prof=None, no_early=False):
-    from load_bench import AgentTrace
+    from load_bench import AgentTrace, lat_summary
 
     trace = AgentTrace(agents, seed=seed, vocab=vocab)
     ready = []  # (agent, row, ready_at)
@@ -232,9 +237,8 @@ def closed_loop(engine, vocab, agents, seconds, seed, timeline_calls=60, prof=No
         if prof is not None:
             prof.step()
     el = time.perf_counter() - t_start
-    ph = {k: round(v - phases0.get(k, 0), 3) for k, v in engine.phases.items()}
-    summ = {p: {"n": len(v), "p50_ms": round(statistics.median(v), 1), "mean_ms": round(statistics.mean(v), 1),
-                "p99_ms": round(sorted(v)[int(0.99 * (len(v) - 1))], 1)} for p, v in lat.items()}
+    ph = phases_since(engine, phases0)
+    summ = {p: lat_summary(v) for p, v in lat.items()}
     return {"agents": agents, "seconds": round(el, 2), "rows": done[0], "rows_per_s": round(done[0] / el, 2),
             "paths": dict(paths), "latency": summ, "phases": ph, "timeline": timeline,
             "batch_stats": engine.cache.batch.stats if engine.cache.batch is not None else None}
@@ -302,7 +306,7 @@ def gputhread(engine, vocab, agents, seconds):
     """The worker's GPU thread (worker/gpu_thread.py) with in-process asyncio agents: no Redis, no arq."""
     import asyncio
 
-    from load_bench import AgentTrace
+    from load_bench import AgentTrace, lat_summary
 
     from worker.gpu_thread import GpuThread
 
@@ -331,9 +335,9 @@ def gputhread(engine, vocab, agents, seconds):
 
     rows, el = asyncio.run(main())
     gpu.stop(5)
-    ph = {k: round(v - phases0.get(k, 0), 3) for k, v in engine.phases.items()}
+    ph = phases_since(engine, phases0)
     return {"rows": rows, "seconds": round(el, 2), "rows_per_s": round(rows / el, 2), "paths": dict(paths),
-            "latency": {p: {"n": len(v), "p50_ms": round(statistics.median(v), 1)} for p, v in lat.items()},
+            "latency": {p: lat_summary(v) for p, v in lat.items()},
             "phases": ph, "counters": gpu.counters}
 
 

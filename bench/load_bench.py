@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
 
 from producer.client import AnswerTimeout, Client, RowRejected, WorkerError  # noqa: E402
 from producer.local_redis import LocalRedis, answers  # noqa: E402
-from statecache.protocol import health_key  # noqa: E402
+from producer.demo import worker_alive  # noqa: E402
 
 ALIGN = 64  # the cache's checkpoint alignment (CacheSettings.align): what any cache of this design can restore to
 PATHS = ("memo", "hit", "partial", "cold", "plain")
@@ -229,16 +229,6 @@ def model_vocab(model_dir: str) -> int:
     return int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size"))
 
 
-def health_key_exists(url: str, queue: str) -> bool:
-    import redis
-
-    r = redis.Redis.from_url(url)
-    try:
-        return bool(r.exists(health_key(queue)))
-    finally:
-        r.close()
-
-
 class Worker:
     """`python -m arq worker.WorkerSettings` as a subprocess, its log in a file; `start()` waits for its health key."""
 
@@ -257,7 +247,7 @@ class Worker:
         t0 = time.time()
         self.proc = subprocess.Popen([sys.executable, "-m", "arq", "worker.WorkerSettings"], cwd=ROOT, env=self.env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        while not health_key_exists(self.url, self.queue):
+        while not worker_alive(self.url, self.queue):
             if self.proc.poll() is not None or time.time() - t0 > timeout_s:
                 self.stop()
                 raise RuntimeError(f"the worker did not come up; its log ends:\n{self.log_path.read_text()[-4000:]}")

@@ -22,6 +22,7 @@ and the answer, and a packed forward may mix routes. Knows nothing of the cache,
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -208,8 +209,6 @@ class PlainPath:
         """Capture the lone-row graphs of short rows now (padded lengths up to max_tokens, the given slot buckets):
         where a graph saves most (a short row run eagerly is host-bound); longer lone rows run packed once
         `capture_on_demand` is off. Returns the count and seconds spent."""
-        import time
-
         t0 = time.perf_counter()
         if self.use_graphs:
             for T in range(self.bucket, min(max_tokens, self.max_graph_tokens) + 1, self.bucket):
