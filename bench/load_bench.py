@@ -310,15 +310,11 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
             trace = AgentTrace(n, seed=args.seed * 1000 + 1 + k, vocab=vocab, min_state=args.min_state,
                                max_state=args.max_state)
             print(f"[load] {n} agents for {args.seconds} s ...", file=sys.stderr, flush=True)
-            prof = None
-            if args.profile_s > 0:  # in the middle of the run, while the agents keep going
-                async def profile_later():
-                    await asyncio.sleep(max(0.0, (args.seconds - args.profile_s) / 2))
-                    return await client.profile(args.profile_s, rows=40)
-                prof = asyncio.ensure_future(profile_later())
             records, elapsed = await run_agents(client, trace, args.seconds, args.rows, args.job_timeout_s)
             s = summarise(records, elapsed)
-            if prof is not None:
+            if args.profile_s > 0:  # after the timed stretch, the agents going on (untimed): the profiler slows it
+                prof = asyncio.ensure_future(client.profile(args.profile_s, rows=40))
+                await run_agents(client, trace, args.profile_s + 1.0, 0, args.job_timeout_s)
                 try:
                     s["worker_profile"] = await prof
                     print(f"[load] {n} agents, worker profile: phases {s['worker_profile']['phases']}\n"
@@ -636,8 +632,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-worker", action="store_true")
     ap.add_argument("--profile-s", type=float, default=0.0,
-                    help="profile the worker's engine thread this long in the middle of each agents count (the `profile` "
-                         "job; tables in results.json; the profiler slows that stretch)")
+                    help="after each agents count's timed stretch, profile the worker's engine thread this long while the "
+                         "agents go on, untimed (the `profile` job; tables in results.json; the profiler slows it)")
     args = ap.parse_args(argv)
     args.agents = [int(x) for x in args.agents.split(",") if x.strip()]
     return args

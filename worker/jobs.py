@@ -130,22 +130,24 @@ async def profile(ctx: dict, seconds: float = 5.0, rows: int = 40) -> dict:
         held["prof"].__enter__()
         held["phases"] = dict(getattr(engine, "phases", {}) or {})
 
-    def stop(engine) -> dict:
-        prof = held["prof"]
-        prof.__exit__(None, None, None)
+    def stop(engine):
+        held["prof"].__exit__(None, None, None)  # quick: the trace is parsed later, by key_averages
+        return {k: round(v - held["phases"].get(k, 0), 3) for k, v in (getattr(engine, "phases", {}) or {}).items()}
+
+    def tables(prof) -> dict:
         ka = prof.key_averages()
-        phases = {k: round(v - held["phases"].get(k, 0), 3) for k, v in (getattr(engine, "phases", {}) or {}).items()}
         by_device = "cuda_time_total" if any(getattr(e, "device_time_total", 0) for e in ka) else "cpu_time_total"
-        return {"seconds": seconds, "phases": phases,
-                "host_table": ka.table(sort_by="cpu_time_total", row_limit=rows),
+        return {"host_table": ka.table(sort_by="cpu_time_total", row_limit=rows),
                 "device_table": ka.table(sort_by=by_device, row_limit=rows)}
 
     await gpu.call(start)
     try:
         await asyncio.sleep(seconds)
     finally:
-        got = await gpu.call(stop)
-    return got
+        phases = await gpu.call(stop)
+    # parsing the trace takes seconds of host time: off the engine's thread, so the engine goes on serving
+    # (slowed by the shared interpreter, not stopped)
+    return {"seconds": seconds, "phases": phases, **await asyncio.to_thread(tables, held["prof"])}
 
 
 def import_callable(path: str) -> Any:
