@@ -8,6 +8,12 @@ chunk K/V buffer (so no group's K/V is copied per row). The pieces of a forward 
 (cu_seqlens); rotary positions are s + i per sequence. Tokens past the last piece (a graph's padding) belong to no
 sequence: no kernel that mixes tokens reads or writes them.
 
+With specialists (statecache.specialists) every piece runs with its own route (the route of the checkpoint it
+continues from: a per-token route index, so one graph serves any mix of routes) and the forward leaves each
+sequence's router feature sum over its piece in `st.F`; `rows_batched` carries the sums on from the checkpoints',
+plants checkpoints with them, and asks the router once the question has run. A row whose router disagrees with the
+route it ran with (a misprediction) runs again through `StateCache.row` with the router's route.
+
 `BatchRunner.forward(pieces)` runs one packed forward (on CUDA one replay of the graph of its (batch-size, total-token,
 longest-piece) buckets, with every per-sequence number in the graph's input buffer; the same code eagerly elsewhere)
 and returns the answers at each piece's slots; after it, the batch slots hold each row's state at its piece's end
@@ -34,6 +40,7 @@ import torch
 
 from .graphs import Staging, new_stats, try_capture
 from .runner import bucket
+from .specialists.lora import TokenRoutes
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch-size buckets (sequences per graph)
 TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # packed-token buckets
@@ -55,6 +62,7 @@ class Piece:
     V: torch.Tensor | None
     slots: tuple = ()
     nopts: tuple = ()
+    route: int = 0  # specialists: the route its adapter layers run with
 
 
 class NotBatched(Exception):
@@ -76,7 +84,7 @@ class BatchKV:
 class BatchState:
     """The static buffers of a batched forward: per-slot GDN states and conv tails, the chunk's K/V."""
 
-    def __init__(self, cfg, max_batch: int, max_tokens: int, device, dtype):
+    def __init__(self, cfg, max_batch: int, max_tokens: int, device, dtype, features: bool = False):
         G, A = len(cfg.linear_layers), len(cfg.full_layers)
         W = cfg.linear_conv_kernel_dim
         self.conv = torch.zeros(G, max_batch, W - 1, cfg.conv_dim, device=device, dtype=dtype)
@@ -84,6 +92,8 @@ class BatchState:
                              cfg.linear_value_head_dim, device=device, dtype=torch.float32)
         self.K = torch.zeros(A, max_tokens, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
         self.V = torch.zeros_like(self.K)
+        # specialists: each slot's router feature sum over its piece's tokens (float32)
+        self.F = torch.zeros(max_batch, cfg.hidden_size, device=device, dtype=torch.float32) if features else None
 
 
 class BatchMixer:
@@ -171,7 +181,8 @@ class BatchKernels:
 
 @dataclass
 class _Graph:
-    inp: torch.Tensor  # long [3 Tb + 2 Bb S + 2 Bb + 1 + 2 A Bb]: ids | pos | slots | nopts | cu | starts | kv offsets
+    inp: torch.Tensor  # long [2 Tb + 2 Bb S + 2 Bb + 1 + 2 A Bb (+ 2 Tb)]: ids | pos | slots | nopts | cu | starts |
+    # kv offsets (| routes | seq: specialists)
     ids: torch.Tensor
     pos: torch.Tensor
     slots: torch.Tensor  # [Bb S] packed token index of each answer slot
@@ -179,6 +190,8 @@ class _Graph:
     cu: torch.Tensor  # [Bb + 1]
     starts: torch.Tensor  # [Bb]
     off: torch.Tensor  # [A, Bb, 2]
+    rtok: torch.Tensor | None = None  # [Tb] specialists: each token's route (padding: 0, the trunk)
+    seq: torch.Tensor | None = None  # [Tb] specialists: each token's sequence (padding: Bb, counted nowhere)
     out: torch.Tensor | None = None  # [Bb S, n_letters]
     graph: "torch.cuda.CUDAGraph | None" = None
     staging: Staging | None = None
@@ -191,12 +204,14 @@ class BatchRunner:
     tokens per forward (default max_batch * max_piece); max_pos: the longest key span (sizes the span kernel's
     splits); graphs: CUDA graphs (default on CUDA; they need the Triton kernels); pad: bucket the shapes (always with
     graphs); pool: the graph memory pool to share; triton: the Triton batch kernels (default: where the kernels
-    object has statecache's short kernels, i.e. FlaKernels)."""
+    object has statecache's short kernels, i.e. FlaKernels); specialists: a statecache.specialists.Specialists (the
+    chunk runner's own), or None for the trunk."""
 
     def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
                  max_piece: int = MAX_PIECE, max_pos: int = 8192, graphs: bool | None = None, pad: bool | None = None,
-                 pool=None, triton: bool | None = None, batches=BATCHES, tokens=TOKENS):
+                 pool=None, triton: bool | None = None, batches=BATCHES, tokens=TOKENS, specialists=None):
         self.model, self.device = model, model.device
+        self.spec = specialists
         self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
         self.pad = self.use_graphs if pad is None else (pad or self.use_graphs)
         self.bk = BatchKernels(kernels, triton)
@@ -210,7 +225,8 @@ class BatchRunner:
         top = max_tokens or self.max_batch * max_piece
         self.tokens = tuple(t for t in tokens if t <= top) or (top,)
         self.max_tokens = self.tokens[-1]
-        self.st = BatchState(model.cfg, self.max_batch, self.max_tokens, self.device, model.dtype)
+        self.st = BatchState(model.cfg, self.max_batch, self.max_tokens, self.device, model.dtype,
+                             features=specialists is not None)
         self.n_attn = len(model.cfg.full_layers)
         self.graphs: dict[tuple[int, int], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
@@ -241,26 +257,39 @@ class BatchRunner:
 
     # ---- the forward ----------------------------------------------------------------------------------------------
 
+    def _size(self, Bb: int, Tb: int) -> int:
+        """Elements of a forward's input buffer (see _Graph.inp)."""
+        return 2 * Tb + 2 * Bb * self.max_slots + 2 * Bb + 1 + 2 * self.n_attn * Bb + (2 * Tb if self.spec else 0)
+
     def _views(self, inp: torch.Tensor, Bb: int, Tb: int) -> _Graph:
         S, A = self.max_slots, self.n_attn
-        ids, pos, slots, nopts, cu, starts, off = torch.split(inp, [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb])
-        return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(A, Bb, 2))
+        sizes = [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb] + ([Tb, Tb] if self.spec else [])
+        ids, pos, slots, nopts, cu, starts, off, *routed = torch.split(inp, sizes)
+        return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(A, Bb, 2), *routed)
 
     def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens) -> torch.Tensor:
         kv = BatchKV(kv_tensors, g.off, self.st.K, self.st.V)
         mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens)
-        h = self.model.body(g.ids, g.pos, mix)  # [Tb, H]
+        lora = None if self.spec is None else TokenRoutes(self.spec.lora, self.spec.router, g.rtok)
+        h = self.model.body(g.ids, g.pos, mix, lora)  # [Tb, H]
+        if lora is not None:  # each sequence's feature sum over its tokens (padding goes to row Bb, dropped)
+            sums = torch.zeros(Bb + 1, lora.f.shape[1], device=h.device, dtype=torch.float32)
+            self.st.F[:Bb].copy_(sums.index_add_(0, g.seq, lora.f)[:Bb])
         return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [Bb S, n_letters]
 
     def _pack(self, pieces: list[Piece], Bb: int, Tb: int) -> torch.Tensor:
         """The host input buffer of these pieces (see _Graph.inp), filled through numpy (a few us a piece)."""
         S, A = self.max_slots, self.n_attn
-        buf = np.zeros(2 * Tb + 2 * Bb * S + 2 * Bb + 1 + 2 * A * Bb, dtype=np.int64)
+        buf = np.zeros(self._size(Bb, Tb), dtype=np.int64)
         o_pos, o_slots = Tb, 2 * Tb
         o_nopts = o_slots + Bb * S
         o_cu = o_nopts + Bb * S
         o_st = o_cu + Bb + 1
-        off = buf[o_st + Bb :].reshape(A, Bb, 2)
+        o_off = o_st + Bb
+        off = buf[o_off : o_off + 2 * A * Bb].reshape(A, Bb, 2)
+        o_rt = o_off + 2 * A * Bb  # specialists: routes, then sequence indices
+        if self.spec is not None:
+            buf[o_rt + Tb :] = Bb
         buf[o_nopts:o_cu] = 2
         es = self.st.K.element_size()
         k0, v0 = self.st.K.data_ptr(), self.st.V.data_ptr()
@@ -274,6 +303,9 @@ class BatchRunner:
             for j, (x, k) in enumerate(zip(pc.slots, pc.nopts)):
                 buf[o_slots + b * S + j], buf[o_nopts + b * S + j] = t + x - pc.s, k
             buf[o_st + b] = pc.s
+            if self.spec is not None:
+                buf[o_rt + t : o_rt + t + n] = pc.route
+                buf[o_rt + Tb + t : o_rt + Tb + t + n] = b
             if pc.s:  # the group's layer a relative to the chunk buffer's layer a (same dtype, any address)
                 gk, gv = pc.K.stride(0) * es, pc.V.stride(0) * es
                 off[:, b, 0] = (pc.K.data_ptr() - k0 + layers * (gk - lk)) // es
@@ -286,7 +318,7 @@ class BatchRunner:
         return torch.from_numpy(buf)
 
     def _capture(self, Bb: int, Tb: int, Lb: int) -> _Graph | None:
-        inp = torch.zeros(2 * Tb + 2 * Bb * self.max_slots + 2 * Bb + 1 + 2 * self.n_attn * Bb, dtype=torch.long)
+        inp = torch.zeros(self._size(Bb, Tb), dtype=torch.long)
         g = self._views(inp.to(self.device), Bb, Tb)  # all sequences empty: the warm-up runs touch no slot
         got = try_capture(lambda: self._forward(g, Bb, Tb, Lb, [], None), self.pool, self.stats, self.failures,
                           f"batch ({Bb}, {Tb}, {Lb})")
@@ -408,8 +440,10 @@ class _Row:
     V: torch.Tensor
     newK: torch.Tensor | None = None  # a planting row's K/V of [0, p) (the old group's prefix, then its chunks)
     newV: torch.Tensor | None = None
-    snaps: list | None = None
+    snaps: list | None = None  # [(pos, conv, S, feature sum | None)] to plant
     probs: list | None = None
+    route: int = 0  # specialists: the route it runs with (its checkpoint's)
+    fsum: torch.Tensor | None = None  # specialists: the router's feature sum over [0, next piece's start)
 
 
 def _plan(cache, i: int, ids, state_len: int, slots, nopts, max_piece: int) -> _Row | None:
@@ -431,9 +465,11 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, max_piece: int) -> _
     if n - p > max_piece:  # a question longer than a piece: one at a time (no K/V buffer for its middle)
         return None
     todo.append((p, n, QUESTION))
-    conv, S = best.payload
+    conv, S = best.payload[:2]
     K, V = best.group.payload[:2]
     r = _Row(i, ids, list(slots), list(nopts), p, best, todo, conv, S, K, V)
+    if cache.runner.spec is not None:  # it runs with its checkpoint's route (StateCache.guess), from its feature sum
+        r.route, r.fsum = best.route, best.payload[2].clone()
     if len(todo) > 1:  # it plants: its own K/V of [0, p), starting from the restored prefix
         r.newK = K.new_empty((K.shape[0], p, *K.shape[2:]))
         r.newV = V.new_empty((V.shape[0], p, *V.shape[2:]))
@@ -450,7 +486,7 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
         s, e, kind = r.todo[0]
         ask = kind == QUESTION
         pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None,
-                            tuple(r.slots) if ask else (), tuple(r.nopts) if ask else ()))
+                            tuple(r.slots) if ask else (), tuple(r.nopts) if ask else (), r.route))
     try:
         runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces))
         runner.load(pieces)
@@ -464,6 +500,8 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
         return _step(runner, rows[:h], log) + _step(runner, rows[h:], log)
     for b, r in enumerate(rows):  # the forward went through: snapshots, chunk K/V and answers
         s, e, kind = r.todo.pop(0)
+        if r.fsum is not None:
+            r.fsum = r.fsum + runner.st.F[b]
         if kind != QUESTION:  # a state piece: its K/V into the row's own buffer, its end state carried on
             Kc, Vc = runner.chunk_kv(pieces, b)
             r.newK[:, s:e].copy_(Kc)
@@ -471,7 +509,7 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
             r.conv, r.S = runner.st.conv[:, b].clone(), runner.st.S[:, b].clone()
             r.K, r.V = r.newK, r.newV
             if kind == CKPT:
-                r.snaps.append((e, r.conv, r.S))
+                r.snaps.append((e, r.conv, r.S, None if r.fsum is None else r.fsum.clone()))
         else:
             r.probs = [probs[b, j, :k].tolist() for j, k in enumerate(r.nopts)]
     return []
@@ -480,9 +518,13 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
 def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
     """statecache.cache.StateCache.rows_batched: [(ids, state_len, slots, nopts)] -> [Answer | None]; None for a row
     that has no checkpoint, whose question does not fit a batch piece, or that failed (the caller runs those one at a
-    time)."""
+    time). With specialists a misprediction runs again here, one at a time (`StateCache.row` with the router's
+    route; its answer counts both runs' tokens), unless this call comes from inside a row's `between` hook (the chunk
+    runner's buffers hold that row): then it comes back as None, for the caller to run later."""
     from .cache import Answer
 
+    if (runner.spec is None) != (cache.runner.spec is None):
+        raise ValueError("the batch runner and the cache's chunk runner must share their specialists (or both have none)")
     out: list = [None] * len(rows)
     live: list[_Row] = []
     for i, row in enumerate(rows):
@@ -509,8 +551,18 @@ def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
             failed.update(_step(runner, grp, log))
         done += [r for r in live if r not in failed and not r.todo]
         live = [r for r in live if r not in failed and r.todo]
-    for r in done:
+    spec, again = runner.spec, []
+    routes = [None] * len(done)
+    if spec is not None and done:  # the router over each whole row: one read for the batch
+        F = torch.stack([r.fsum for r in done])
+        n_tok = torch.tensor([float(len(r.ids)) for r in done], device=F.device)
+        routes = spec.router.logits(F / n_tok[:, None]).argmax(-1).tolist()
+    for r, route in zip(done, routes):
         c0, n = r.best.pos, len(r.ids)
+        if route is not None and route != r.route:  # a misprediction: nothing of this run is kept
+            cache.stats["mispredict"] += 1
+            again.append((r, route, n - c0))
+            continue
         path = "hit" if c0 == r.p else "partial"
         st = cache.stats
         st["rows"] += 1
@@ -519,8 +571,22 @@ def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
         st["tokens_reused"] += c0
         st["tokens_computed"] += n - c0
         cache.index.touch(r.best)
-        if r.snaps:  # a group of its own, its K/V those the batch wrote (trunk only: no feature sums)
-            cache._plant(r.ids, r.p, [(pos, conv, S, None) for pos, conv, S in r.snaps], 0, (r.newK, r.newV))
-        out[r.i] = Answer(r.probs, path, c0, n - c0)
+        if r.snaps:  # a group of its own, its K/V those the batch wrote
+            cache._plant(r.ids, r.p, r.snaps, r.route, (r.newK, r.newV))
+        if route is not None:
+            cache.last_route = route
+        out[r.i] = Answer(r.probs, path, c0, n - c0, route)
     cache.stats["evicted"] += len(cache.index.evict())
+    if again and not cache.in_row:
+        between, cache.between = cache.between, None  # its chunks call nobody back
+        try:
+            for r, route, wasted in again:
+                ids, state_len, slots, nopts = rows[r.i]
+                ans = cache.row(ids, state_len, slots, nopts, known_route=route)
+                if ans is not None:
+                    cache.stats["tokens_computed"] += wasted
+                    ans.computed += wasted
+                out[r.i] = ans
+        finally:
+            cache.between = between
     return out

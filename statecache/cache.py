@@ -70,6 +70,7 @@ class StateCache:
         self.last_route = 0  # specialists: the route guessed for a row with no checkpoint
         self.batch = None  # a statecache.batch.BatchRunner: enables rows_batched (trunk, text rows)
         self.between: Callable[[], None] | None = None  # called between a row's state chunks (must not call row)
+        self.in_row = False  # True while `between` runs inside a row (rows_batched then leaves reruns to the caller)
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
         self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "tokens_reused": 0,
                       "tokens_computed": 0, "ckpts_made": 0, "evicted": 0, "mispredict": 0}
@@ -105,10 +106,12 @@ class StateCache:
     # ---- a row ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], images=None) -> Answer | None:
+    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], images=None,
+            known_route: int | None = None) -> Answer | None:
         """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the
         plain path. images: the row's statecache.vision.RowImages, or None; the index knows an image row by its
-        key tokens (images.keys), not its ids.
+        key tokens (images.keys), not its ids. known_route (specialists): the route the row is known to take (a batched
+        run's router has spoken), so it runs with it from the start instead of guessing.
 
         With specialists the route is known only after the last chunk (the router averages over the whole row), so
         the row runs with a guessed route (`guess`) from the deepest checkpoint of that route; when the router
@@ -123,7 +126,7 @@ class StateCache:
         best = self.index.lookup(keys, limit=p)
         guess = 0
         if spec is not None:
-            guess = self.guess(best)
+            guess = self.guess(best) if known_route is None else known_route
             if best is not None and best.route != guess:
                 best = self.index.lookup(keys, limit=p, route=guess)
         first = self._run_row(ids, state_len, p, n, slots, nopts, best, guess, images)
@@ -189,7 +192,11 @@ class StateCache:
                 snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone(),
                               fsum.clone() if fsum is not None else None))
             if self.between is not None:  # chunked prefill: short work that arrived meanwhile runs now
-                self.between()
+                self.in_row = True  # the runner's buffers hold this row's state: no `row` until it returns
+                try:
+                    self.between()
+                finally:
+                    self.in_row = False
         out = self.runner.run(ids, p, n, slots, nopts, route=route, images=images)
         if fsum is not None:
             fsum += fsum_buf

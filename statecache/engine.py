@@ -14,7 +14,8 @@ view of the queue) only informs the policy.
 A bad row gets an error result; an exception while computing fails only the rows of that group (or of that
 packed forward; a batched call isolates a failing row). With a specialists folder (`specialists=`, checked in
 full before the weights load) every result names its `route`; new states then plant through the cache's own
-chunked path (their checkpoints carry a route and the router's feature sum) and rows continue one at a time.
+chunked path (their checkpoints carry a route and the router's feature sum); rows that continue from saved states
+run batched as without specialists, each with its checkpoint's route (statecache.batch).
 Rows with images (checkpoints with a vision tower: statecache.images, statecache.vision): their memo key and their
 group key include each image's content hash, the index knows their states by key tokens
 (statecache.vision.RowImages.keys), a new image state plants from the packed forward like a text one, and their
@@ -213,15 +214,14 @@ class Engine:
 
     def _batch_runner(self, max_batch: int, max_pos: int):
         """The batched-continuation runner (statecache.batch), or None when it cannot run here: CUDA graphs need its
-        Triton kernels (fla's kernels object); eagerly (CPU) the torch loop serves. Trunk only: with specialists rows
-        continue one at a time (their routes)."""
+        Triton kernels (fla's kernels object); eagerly (CPU) the torch loop serves. With specialists each sequence
+        runs with its own route."""
         from .batch import BatchRunner
 
-        if self.specialists is not None:
-            return None
         try:
             return BatchRunner(self.model, self.kernels, max_slots=self.runner.max_slots, max_batch=max_batch,
-                               max_pos=max_pos, pool=self.runner.pool, graphs=self.runner.use_graphs)
+                               max_pos=max_pos, pool=self.runner.pool, graphs=self.runner.use_graphs,
+                               specialists=self.specialists)
         except Exception:  # noqa: BLE001 - rows then run one at a time
             log.exception("no batched continuations")
             return None
@@ -410,7 +410,7 @@ class Engine:
             if ans is None:
                 left += [(i, row, key) for i in where]
                 continue
-            res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+            res = self._result(ans)
             self.memo.put(key, res)
             for n, i in enumerate(where):
                 results[i] = res if n == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
@@ -476,12 +476,17 @@ class Engine:
             if ans is None:
                 declined.append((i, row, key))
                 continue
-            res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
-            if ans.route is not None:
-                res["route"] = self.specialists.names[ans.route]
+            res = self._result(ans)
             self.memo.put(key, res)
             results[i] = res
         return declined
+
+    def _result(self, ans) -> dict:
+        """A row's result from the cache's Answer (the route by its name, with specialists)."""
+        res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
+        if ans.route is not None:
+            res["route"] = self.specialists.names[ans.route]
+        return res
 
     def _plain(self, items, results, planting=()) -> None:
         """One packed forward (statecache.plain) of `items` (the plain path: nothing planted) and of `planting`

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -297,6 +298,226 @@ def test_random_row_sequences_with_routes(ops, pad, mb):
         ask(cache, state + qq, len(state), [n - 1], [2 + seed % 5], guess=guess)
 
 
+# ---- batched continuations with routes -------------------------------------------------------------------------------
+
+
+def batch_cache(pad: bool, spec, **settings) -> StateCache:
+    from statecache.batch import BatchRunner
+
+    _, _, model, _ = world()
+    cache = make_cache(pad, spec, **settings)
+    cache.batch = BatchRunner(model, TorchKernels(), max_batch=4, pad=pad, max_pos=1024, specialists=spec)
+    return cache
+
+
+@contextlib.contextmanager
+def router_forced(spec, route: int):
+    """The router picks `route` for every row while inside (its bias dominates); the plain reference follows."""
+    bias = spec.router.bias.clone()
+    spec.router.bias[route] = 1e4
+    try:
+        yield
+    finally:
+        spec.router.bias.copy_(bias)
+
+
+@contextlib.contextmanager
+def router_by_state(spec, states):
+    """The router picks route k for rows whose state is states[k] (their mean feature is nearest that state's;
+    a short question does not move it): the weights are the states' centred mean features. The plain reference
+    follows."""
+    probe = make_cache(False, spec)
+    means = []
+    for k, S in enumerate(states):
+        ask(probe, S + toks(3, 990 + k), len(S), [len(S) + 2], [2])
+        c = probe.index.lookup(S, limit=down(len(S)))
+        means.append(c.payload[2] / c.pos)
+    m = torch.stack(means)
+    d = m - m.mean(0)
+    weight, bias = spec.router.weight.clone(), spec.router.bias.clone()
+    spec.router.weight.zero_()
+    spec.router.bias.fill_(-1e4)
+    spec.router.weight[: len(states)] = d * 1e3
+    spec.router.bias[: len(states)] = -(d * m.mean(0)).sum(-1) * 1e3
+    try:
+        yield
+    finally:
+        spec.router.weight.copy_(weight)
+        spec.router.bias.copy_(bias)
+
+
+def check_batched(cache, rows, answers):
+    for (ids, state_len, slots, nopts), a in zip(rows, answers):
+        assert a is not None
+        probs, route = plain_answer(ids, slots, nopts)
+        assert a.route == route
+        assert_close(a.probs, probs)
+        assert 0 <= a.reused <= down(state_len) and a.computed >= len(ids) - a.reused
+    assert cache.index.bytes == index_bytes_recount(cache) <= cache.index.budget_bytes
+    for c in cache.index.lru_order():
+        assert c.payload[2].shape == (SHAPE["hidden_size"],)
+
+
+def mispredictions(cache, rows) -> int:
+    """The rows whose router disagrees with the route of the checkpoint a batched call continues them from."""
+    out = 0
+    for ids, state_len, slots, nopts in rows:
+        best = cache.index.lookup(ids, limit=down(state_len))
+        out += best is not None and best.route != plain_answer(ids, slots, nopts)[1]
+    return out
+
+
+@pytest.mark.parametrize("pad", PADS)
+def test_batched_rows_of_mixed_routes(pad):
+    """Hits and grown states of states planted under different routes run in one batched forward (a route per
+    sequence), equal the plain path with specialists; the grown states plant checkpoints whose feature sums let
+    later rows continue exactly; a forced misprediction runs again with the router's route."""
+    _, _, _, spec = world()
+    cache = batch_cache(pad, spec)
+    states = [toks(200 + 40 * k, 70 + k) for k in range(4)]
+    planted = []
+    for k, S in enumerate(states):  # each state planted under the route its router picks, forced apart
+        with router_forced(spec, k):
+            planted.append(ask(cache, S + toks(9, 80 + k), len(S), [len(S) + 8], [4]).route)
+    assert planted == [0, 1, 2, 3]
+    grown = states[1] + toks(150, 90)  # 64-aligned end 384 from the checkpoint at 192: more than a piece
+    rows = [(S + toks(11 + k, 100 + k), len(S), [len(S) + 10 + k], [3 + k]) for k, S in enumerate(states)]
+    rows.append((grown + toks(7, 110), len(grown), [len(grown) + 6, len(grown) + 2], [4, 5]))
+    forwards, mis, want = cache.batch.stats["forwards"], cache.stats["mispredict"], mispredictions(cache, rows)
+    answers = cache.rows_batched(rows)
+    check_batched(cache, rows, answers)
+    assert cache.batch.stats["forwards"] > forwards
+    assert cache.stats["mispredict"] - mis == want
+    # routes by state: every row keeps the route of its checkpoint, several routes in one forward
+    fresh = [toks(200 + 30 * k, 140 + k) for k in range(4)]
+    with router_by_state(spec, fresh):
+        for k, S in enumerate(fresh):
+            assert ask(cache, S + toks(9, 145 + k), len(S), [len(S) + 8], [4]).route == k
+        rows3 = [(S + toks(20 - 3 * k, 150 + k), len(S), [len(S) + 19 - 3 * k], [2 + k]) for k, S in enumerate(fresh)]
+        mis = cache.stats["mispredict"]
+        answers = cache.rows_batched(rows3)
+        check_batched(cache, rows3, answers)
+        assert [a.route for a in answers] == [0, 1, 2, 3] and [a.path for a in answers] == ["hit"] * 4
+        assert cache.stats["mispredict"] == mis
+    # a state grown by more than a piece, its route kept (no misprediction: the batched run plants): its new
+    # checkpoint carries the feature sum over [0, 384) that the one-at-a-time path plants
+    grown = states[2] + toks(120, 91)  # 384 from the checkpoint at 256
+    with router_forced(spec, 2):
+        row = (grown + toks(7, 111), len(grown), [len(grown) + 6], [4])
+        mis = cache.stats["mispredict"]
+        check_batched(cache, [row], cache.rows_batched([row]))
+        assert cache.stats["mispredict"] == mis
+    c = cache.index.lookup(grown, limit=down(len(grown)))
+    alone = make_cache(pad, spec)
+    ask(alone, grown + toks(7, 110), len(grown), [len(grown) + 6], [4])
+    c1 = alone.index.lookup(grown, limit=down(len(grown)))
+    assert c.pos == c1.pos == 384 and (c.payload[2] - c1.payload[2]).abs().max() <= 1e-3
+    # a hit on it equals the plain path
+    again = [(grown + toks(13, 120), len(grown), [len(grown) + 12], [4])]
+    check_batched(cache, again, cache.rows_batched(again))
+    # every row forced to route 2: the other routes' checkpoints mispredict, each runs again with route 2
+    with router_forced(spec, 2):
+        rows2 = [(S + toks(15, 130 + k), len(S), [len(S) + 14], [4]) for k, S in enumerate(states)]
+        mis, want = cache.stats["mispredict"], mispredictions(cache, rows2)
+        answers = cache.rows_batched(rows2)
+        check_batched(cache, rows2, answers)
+        assert [a.route for a in answers] == [2] * 4
+        assert want >= 1 and cache.stats["mispredict"] - mis == want
+        assert answers[2].path == "hit" and answers[0].computed > len(rows2[0][0]) - answers[0].reused
+
+
+def test_one_batch_graph_serves_any_mix_of_routes(monkeypatch):
+    """Graph mode (stand-in graphs replaying the Triton batch kernels in the interpreter): the routes and sequence
+    indices are graph inputs, so graphs captured with empty sequences answer rows of several routes at once."""
+    import statecache.graphs as graphs_mod
+    from statecache.batch import BatchRunner
+    from tests.test_graph_modes import ReplayGraph
+    from tests.triton_interp import load
+
+    for mod, kernel in (("statecache.conv_triton", "_conv_chunk_kernel"), ("statecache.gdn_triton", "_delta_chunk_kernel"),
+                        ("statecache.span_triton", "_span_batch_kernel")):
+        load(mod, kernel)
+
+    def capture(fn, pool, warmup=2):
+        out = fn()  # the warm-up, once: the interpreter is slow
+        return ReplayGraph(fn, out), out
+
+    monkeypatch.setattr(graphs_mod, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    _, _, model, spec = world()
+    cache = make_cache(True, spec)
+    runner = BatchRunner(model, TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=1024, tokens=(64, 128),
+                         specialists=spec)
+    runner.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid
+    cache.batch = runner
+    states = [toks(270 + 10 * k, 160 + k) for k in range(3)]
+    rows = [(S + toks(6 + 3 * k, 180 + k), len(S), [len(S) + 5 + 3 * k], [3 + k]) for k, S in enumerate(states)]
+    with router_by_state(spec, states):  # state k takes route k: one forward of three routes, none mispredicted
+        for k, S in enumerate(states):
+            assert ask(cache, S + toks(5, 170 + k), len(S), [len(S) + 4], [4]).route == k
+        mis = cache.stats["mispredict"]
+        answers = cache.rows_batched(rows)
+        check_batched(cache, rows, answers)
+        assert [a.route for a in answers] == [0, 1, 2] and [a.path for a in answers] == ["hit"] * 3
+        assert cache.stats["mispredict"] == mis
+    with router_forced(spec, 2):  # every row forced to route 2: the others mispredict and run again
+        check_batched(cache, rows, cache.rows_batched(rows))
+    replayed = [k for k, g in runner.graphs.items() if g is not None and g.graph.replays]
+    assert replayed and all(k[0] <= 4 for k in replayed) and runner.stats["forwards"] >= 2
+
+
+def test_a_misprediction_inside_a_rows_between_hook_is_left_to_the_caller():
+    """rows_batched called from a row's `between` hook (chunked prefill) must not run a row through the chunk runner
+    whose buffers hold the outer row: a mispredicted batched row comes back as None; both rows stay exact."""
+    _, _, _, spec = world()
+    cache = batch_cache(False, spec)
+    A, B = toks(260, 150), toks(420, 151)
+    with router_forced(spec, 1):
+        ask(cache, A + toks(9, 152), 260, [268], [4])
+    inner_row = (A + toks(12, 153), 260, [271], [3])
+    inner = []
+    cache.between = lambda: inner.append(cache.rows_batched([inner_row])[0]) if not inner else None
+    cache.last_route = 3  # the outer row (no checkpoint) guesses right: it runs once
+    with router_forced(spec, 3):  # the inner row's checkpoint is route 1: it mispredicts
+        outer = ask(cache, B + toks(10, 154), 420, [429], [4])
+        assert outer.computed == 430
+        assert outer.route == 3 and inner == [None] and cache.stats["mispredict"] >= 1
+        cache.between = None
+        check_batched(cache, [inner_row], cache.rows_batched([inner_row]))  # outside a row: run again at once
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_batched_mixes_with_routes(data):
+    """Agents whose states repeat, grow or are new, each round batched where rows continue from saved states and
+    one at a time otherwise (as the engine does), a small budget evicting between rounds; every answer equals the
+    plain path with specialists."""
+    _, _, _, spec = world()
+    cache = batch_cache(data.draw(st.booleans()), spec, mb=data.draw(st.sampled_from([1, 64])))
+    states = [toks(data.draw(st.integers(200, 300)), 400 + a) for a in range(3)]
+    seed = 0
+    for _ in range(data.draw(st.integers(2, 3))):
+        rows = []
+        for a in range(3):
+            seed += 1
+            what = data.draw(st.sampled_from(["same", "grow", "new"]))
+            if what == "grow":
+                states[a] = (states[a] + toks(data.draw(st.integers(1, 140)), 500 + seed))[-480:]
+            elif what == "new":
+                states[a] = toks(data.draw(st.integers(200, 300)), 600 + seed)
+            S = states[a]
+            q = toks(data.draw(st.integers(2, 30)), 700 + seed)
+            rows.append((S + q, len(S), [len(S) + len(q) - 1], [2 + seed % 5]))
+        forced = data.draw(st.one_of(st.none(), st.integers(0, len(ROUTES) - 1)))
+        with router_forced(spec, forced) if forced is not None else contextlib.nullcontext():
+            answers = cache.rows_batched(rows)
+            for row, a in zip(rows, answers):
+                if a is None:  # no checkpoint to continue from: one at a time, as the engine does
+                    a = ask(cache, *row)
+                check_batched(cache, [row], [a])
+
+
 # ---- the engine, the CLI, bad folders ----------------------------------------------------------------------------------
 
 
@@ -319,6 +540,13 @@ def test_engine_and_score_report_routes(monkeypatch, capsys):
         assert out["route"] == names[want_r] and max_abs_diff(out["probs"], want) <= TOL
     assert [x["path"] for x in res] == ["cold", "hit", "hit", "hit", "plain"]
     assert eng.answer(rows[:1])[0]["route"] == res[0]["route"]  # the memo keeps the route
+    # the state's later rows continue from it in one batched call, each with its checkpoint's route
+    more = [{"ids": S + toks(12 + k, 70 + k), "state_len": 300, "slots": [311 + k], "nopts": [3]} for k in range(3)]
+    batched = eng.phases["batched_rows"]
+    for r, out in zip(more, eng.answer(more)):
+        want_r, want = ref.answers(r["ids"], r["slots"], r["nopts"])
+        assert out["route"] == names[want_r] and max_abs_diff(out["probs"], want) <= TOL
+    assert eng.phases["batched_rows"] - batched == 3
     assert "mispredict" in eng.stats() and eng.stats()["specialists"]["routes"] == names
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(json.dumps(r) for r in rows[:2]) + "\n"))
     assert main(["score", "--device", "cpu", "--dtype", "float32", "--specialists", str(sd)]) == 0
