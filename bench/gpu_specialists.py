@@ -19,6 +19,8 @@ Measured (wall milliseconds per row, synchronised, median; and the hit's chunk g
   unfolded sum in float32, every site, fixed and per-token routes (relative error);
 - diagnostics: every adapted site's projections alone as one graph, the trunk's, with a fixed route and with a route
   per token (the LoRA terms alone: the difference), and profiler tables (profile_*.txt) of both hits.
+- batched hits (`--batched 4,16`): that many different saved states, a new question on each, in one
+  `rows_batched` call, trunk against specialists with the states' checkpoints of mixed routes.
 Writes <out>/gpu_specialists.json.
 
   python3 bench/gpu_specialists.py --out $OUT                       # the device machine (H200)
@@ -231,6 +233,72 @@ def force(spec: Specialists, route: int) -> None:
     spec.router.bias[route] = 1e4
 
 
+def batched_hits(args, model, kernels, spec, pool, cfg, dev) -> dict:
+    """Batched hits (statecache.batch through StateCache.rows_batched): N different saved states, a new question on
+    each, in one call, for each N in --batched; the trunk's against the specialists' with the states' checkpoints of
+    mixed routes (state j runs route j % routes: a route per sequence in one forward). The router is replaced by
+    one that picks state j's route for rows of state j (the nearest of the states' mean features), so no row
+    mispredicts and the timing is the batched forward's. Milliseconds per call (median), and the ratio."""
+    from statecache.batch import BatchRunner
+
+    out = {}
+    S, Q, R_ = args.state, args.question, args.routes
+    V = cfg.vocab_size
+    g = torch.Generator().manual_seed(5)
+    max_pos = max(1024, -(-(S + Q) // 1024) * 1024)
+    settings = dict(mb=args.cache_mb, min_prefix=min(256, S))
+    logits_of = spec.router.logits
+    for N in args.batched:
+        states = [torch.randint(0, V, (S,), generator=g).tolist() for _ in range(N)]
+        qs = [[torch.randint(0, V, (Q,), generator=g).tolist() for _ in range(N)] for _ in range(4)]
+        caches = {}
+        for name, sp in (("trunk", None), ("specialists", spec)):
+            c = StateCache(ChunkRunner(model, kernels, max_pos=max_pos, pool=pool, specialists=sp),
+                           CacheSettings(**settings))
+            c.batch = BatchRunner(model, kernels, max_slots=c.runner.max_slots, max_batch=max(64, N), max_pos=max_pos,
+                                  pool=pool, graphs=dev.type == "cuda", specialists=sp)
+            caches[name] = c
+        sp_cache = caches["specialists"]
+        force(spec, 0)
+        for st in states:  # the states' mean router features, from their checkpoints' feature sums
+            sp_cache.row(st + qs[0][0], S, [S + Q - 1], [4])
+        means = torch.stack([sp_cache.index.lookup(st, limit=S).payload[2] / S for st in states]).float()
+        centre = means.mean(0)
+        dirs = torch.nn.functional.normalize(means - centre, dim=-1)
+        routes_of = torch.arange(N, device=means.device) % R_
+
+        def by_state(mean, dirs=dirs, centre=centre, routes_of=routes_of):
+            j = (torch.nn.functional.normalize(mean.float() - centre, dim=-1) @ dirs.T).argmax(-1)
+            return torch.nn.functional.one_hot(routes_of[j], R_).float() * 1e4
+        spec.router.logits = by_state
+        try:
+            sp_cache.clear()
+            for st in states:
+                caches["trunk"].row(st + qs[0][0], S, [S + Q - 1], [4])
+                sp_cache.row(st + qs[0][0], S, [S + Q - 1], [4])
+            got = sorted({c.route for c in sp_cache.index.lru_order()})
+            k = iter(range(10**6))
+
+            def call(cache):
+                qq = qs[1 + next(k) % 3]
+                ans = cache.rows_batched([(st + q, S, [S + Q - 1], [4]) for st, q in zip(states, qq)])
+                assert all(a is not None and a.path == "hit" for a in ans), [a and a.path for a in ans]
+                return ans
+            mis = sp_cache.stats["mispredict"]
+            row = {"trunk_ms": timed(lambda: call(caches["trunk"]), dev, args.reps),
+                   "specialists_ms": timed(lambda: call(sp_cache), dev, args.reps)}
+            row["ratio"] = round(row["specialists_ms"] / row["trunk_ms"], 3)
+            row["routes_planted"] = got
+            row["mispredicted"] = sp_cache.stats["mispredict"] - mis
+            row["batch_forwards"] = {n: caches[n].batch.stats["forwards"] for n in caches}
+        finally:
+            spec.router.logits = logits_of
+        out[N] = row
+        log(f"batched hits, {N} states:", row)
+        del caches
+    return out
+
+
 def run(args):
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
@@ -361,6 +429,9 @@ def run(args):
         R["plain_spec_ms"] = timed(lambda: ps.forward([(rows[3], slot, [4])]), dev, 5, 1)
         log("plain row", R["plain_trunk_ms"], "ms trunk,", R["plain_spec_ms"], "ms with specialists")
     R["captures"] = {"trunk": dict(trunk.runner.stats), "specialists": dict(special.runner.stats)}
+    if args.batched:
+        spec.router.bias.zero_()
+        R["batched_hits"] = batched_hits(args, model, kernels, spec, trunk.runner.pool, cfg, dev)
 
 
 def main():
@@ -380,7 +451,10 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--skip-plain", action="store_true")
     ap.add_argument("--skip-profile", action="store_true", help="no torch.profiler tables of the two hits")
+    ap.add_argument("--batched", default="4,16", help="batched hits from this many different states, comma-separated "
+                    "(trunk against specialists with mixed routes; empty: none)")
     args = ap.parse_args()
+    args.batched = [int(x) for x in args.batched.split(",") if x.strip()]
     if args.routes < 3:
         ap.error("--routes must be at least 3 (the trunk and two adapters: the misprediction timings need both)")
     out = Path(args.out)

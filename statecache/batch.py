@@ -12,7 +12,8 @@ With specialists (statecache.specialists) every piece runs with its own route (t
 continues from: a per-token route index, so one graph serves any mix of routes) and the forward leaves each
 sequence's router feature sum over its piece in `st.F`; `rows_batched` carries the sums on from the checkpoints',
 plants checkpoints with them, and asks the router once the question has run. A row whose router disagrees with the
-route it ran with (a misprediction) runs again through `StateCache.row` with the router's route.
+route it ran with (a misprediction) keeps nothing of that run and runs again through `StateCache.row` with the
+router's route (or, inside a row's `between` hook, is given back as None).
 
 `BatchRunner.forward(pieces)` runs one packed forward (on CUDA one replay of the graph of its (batch-size, total-token,
 longest-piece) buckets, with every per-sequence number in the graph's input buffer; the same code eagerly elsewhere)
@@ -22,11 +23,12 @@ at start-up. A group's K/V must stay alive until the forward that reads them is 
 
 `rows_batched` (behind statecache.cache.StateCache.rows_batched) turns cache rows into pieces: each row restores its
 deepest checkpoint; its remaining chunks (those ending at checkpoint positions, each cut into pieces of at most
-MAX_PIECE tokens, then the question) run as steps, one packed forward per step for every row still going (split at the largest batch; a failing forward is halved until
-the failing row stands alone, and only that row is given back as None). A row that plants gets its own K/V of
+MAX_PIECE tokens, then the question) run as steps, one packed forward per step for every row still going (split at
+the largest batch; a failing forward is halved until the failing row stands alone, and only that row is given back
+as None). A row that plants gets its own K/V of
 [0, p) up front (the restored prefix, then each step's chunk), so its next step reads them like any group's. It
-knows checkpoints' payload layout (conv, S) and groups' (K, V, serial) as statecache.cache makes them; nothing of
-Redis, the memo or the engine's grouping.
+knows checkpoints' payload layout (conv, S[, feature sum]) and groups' (K, V, serial) as statecache.cache makes
+them; nothing of Redis, the memo or the engine's grouping.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class StateCache:
             raise ValueError(f"max_slots {self.s.max_slots} > the runner's {runner.max_slots}")
         self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align)
         self.last_route = 0  # specialists: the route guessed for a row with no checkpoint
-        self.batch = None  # a statecache.batch.BatchRunner: enables rows_batched (trunk, text rows)
+        self.batch = None  # a statecache.batch.BatchRunner: enables rows_batched (text rows, with or without specialists)
         self.between: Callable[[], None] | None = None  # called between a row's state chunks (must not call row)
         self.in_row = False  # True while `between` runs inside a row (rows_batched then leaves reruns to the caller)
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
