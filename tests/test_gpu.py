@@ -133,3 +133,31 @@ def test_specialists_graph_rows_match_plain(kernels):
         assert r["route"] == eng.specialists.names[route]
         assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3
     assert eng.cache.stats["mispredict"] >= 1
+
+
+def test_specialists_batched_hits_match_plain(kernels):
+    """The tiny model with its 3-route specialists on CUDA, float32: hits on several saved states in one batch go
+    through the batched runner with specialists (a route per sequence; graphs where the Triton batch kernels take
+    the shapes, else one at a time) and answer and route as the plain path's packed forward."""
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+    from statecache.tiny import tiny_specialists_dir
+
+    eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128), compile=False,
+                 specialists=tiny_specialists_dir())
+    assert eng.cache.batch is not None and eng.cache.batch.spec is eng.specialists
+    g = torch.Generator().manual_seed(1)
+    states = [torch.randint(0, eng.vocab_size, (256 + 64 * k,), generator=g).tolist() for k in range(4)]
+
+    def rows(n):
+        return [{"ids": s + torch.randint(0, eng.vocab_size, (n,), generator=g).tolist(), "state_len": len(s),
+                 "slots": [len(s) + n - 1], "nopts": [4]} for s in states]
+    eng.answer(rows(9))  # plants each state
+    batched = eng.phases["batched_rows"]
+    hits = rows(17)
+    got = eng.answer(hits)
+    want = eng.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r in hits])
+    assert eng.phases["batched_rows"] - batched == len(hits)
+    for r, (p, route) in zip(got, want):
+        assert r["route"] == eng.specialists.names[route]
+        assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3
