@@ -25,10 +25,9 @@ at start-up. A group's K/V must stay alive until the forward that reads them is 
 deepest checkpoint; its remaining chunks (those ending at checkpoint positions, each cut into pieces of at most
 MAX_PIECE tokens, then the question) run as steps, one packed forward per step for every row still going (split at
 the largest batch; a failing forward is halved until the failing row stands alone, and only that row is given back
-as None). A row that plants gets its own K/V of
-[0, p) up front (the restored prefix, then each step's chunk), so its next step reads them like any group's. It
-knows checkpoints' payload layout (conv, S[, feature sum]) and groups' (K, V, serial) as statecache.cache makes
-them; nothing of Redis, the memo or the engine's grouping.
+as None). A row that plants gets its own K/V of [0, p) up front (the restored prefix, then each step's chunk), so
+its next step reads them like any group's. It knows checkpoints' payload layout (conv, S[, feature sum]) and
+groups' (K, V, serial) as statecache.cache makes them; nothing of Redis, the memo or the engine's grouping.
 """
 
 from __future__ import annotations
