@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (the `device` tool): install the carried wheels, then run the named steps, each
+# under its own time limit, and pack everything they wrote into $OUT/results.tgz (one file: the tool brings back at
+# most 8). A step that fails or runs out of time is reported and the next one runs.
+#
+#   bash scripts/gpu_session.sh STEP[:SECONDS] ...        (from the repository root, with .whl carried)
+#
+# Steps (default limits in seconds):
+#   load        bench/load_bench.py, random 9B checkpoint, 16 and 64 agents through the worker, score, transformers (540)
+#   load16      the same with 16 agents only, no score or transformers (200)
+#   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (230)
+#   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (200)
+#   images      bench/gpu_images.py --compile, 9B with its vision tower (200)
+#   agree       bench/gpu_agree32.py, 40 rows against float32 and transformers (240)
+#   tests       pytest tests/test_gpu.py and the Triton kernel tests (240)
+# Environment passed on: STATECACHE_* (e.g. STATECACHE_BETWEEN_LAYERS). Compile caches go to $STATECACHE_HOME
+# (default here: .gpucache in the repository), kept between calls while the machine stays warm.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:?run this through the device tool: \$OUT is where results go}"
+R=/tmp/gpu_session
+rm -rf "$R" && mkdir -p "$R"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu_session: the carried wheels did not install (is .whl in carry?)"; exit 2; }
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+export STATECACHE_HOME="${STATECACHE_HOME:-$PWD/.gpucache}"
+CKPT="--random-shape 9B --model /tmp/ck9b"  # a random 9B checkpoint in the Hugging Face layout, made once a machine
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$R/device.txt"
+
+run_step() {
+    local name=$1 limit=$2
+    local dir="$R/$name"
+    mkdir -p "$dir"
+    local t0=$SECONDS rc
+    case $name in
+        load) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16,64 \
+                  --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 8 >"$dir/log.txt" 2>&1 ;;
+        load16) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
+                  --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
+        profile) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
+                  --seconds 30 --score-rows 0 --hf-rows 0 --profile-s 5 >"$dir/log.txt" 2>&1 ;;
+        specialists) timeout "$limit" python3 bench/gpu_specialists.py --out "$dir" --shape 9B --routes 4 --rank 16 \
+                  >"$dir/log.txt" 2>&1 ;;
+        images) timeout "$limit" python3 bench/gpu_images.py --compile --out "$dir" >"$dir/log.txt" 2>&1 ;;
+        agree) timeout "$limit" python3 bench/gpu_agree32.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
+        tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_batch_triton.py \
+                  tests/test_span_triton.py tests/test_gdn_triton.py tests/test_conv_triton.py >"$dir/log.txt" 2>&1 ;;
+        *) echo "gpu_session: no step '$name'" | tee "$dir/log.txt"; return ;;
+    esac
+    rc=$?
+    local what="rc $rc"
+    [ $rc -eq 124 ] && what="stopped at its $limit s limit"
+    echo "== $name: $what, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
+    grep -hE '^\[(load|agree)\]|ratio|hit|passed|failed|Error' "$dir/log.txt" 2>/dev/null | cut -c1-400 | tail -n 12
+}
+
+declare -A LIMIT=([load]=540 [load16]=200 [profile]=230 [specialists]=200 [images]=200 [agree]=240 [tests]=240)
+for arg in "$@"; do
+    name=${arg%%:*}
+    limit=${LIMIT[$name]:-300}
+    [ "$arg" != "$name" ] && limit=${arg#*:}
+    run_step "$name" "$limit"
+done
+tar czf "$OUT/results.tgz" -C /tmp gpu_session
+ls -la "$OUT"
