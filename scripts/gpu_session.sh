@@ -7,9 +7,9 @@
 #
 # Steps (default limits in seconds):
 #   load        bench/load_bench.py, random 9B checkpoint, 16 and 64 agents through the worker, score, transformers (540)
-#   load16      the same with 16 agents only, no score or transformers (200)
-#   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (230)
-#   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (200)
+#   load16      the same with 16 agents only, no score or transformers (360: a cold start alone took 229 s)
+#   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
+#   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (280)
 #   images      bench/gpu_images.py --compile, 9B with its vision tower (200)
 #   agree       bench/gpu_agree32.py, 40 rows against float32 and transformers (240)
 #   tests       pytest tests/test_gpu.py and the Triton kernel tests (240)
@@ -54,7 +54,7 @@ run_step() {
     grep -hE '^\[(load|agree)\]|ratio|hit|passed|failed|Error' "$dir/log.txt" 2>/dev/null | cut -c1-400 | tail -n 12
 }
 
-declare -A LIMIT=([load]=540 [load16]=200 [profile]=230 [specialists]=200 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([load]=540 [load16]=360 [profile]=390 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     name=${arg%%:*}
     limit=${LIMIT[$name]:-300}
