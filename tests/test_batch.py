@@ -225,37 +225,14 @@ def test_random_mixes_with_evictions(data):
 # ---- graph mode, with stand-in graphs replaying the Triton batch kernels in the interpreter ----------------------------
 
 
-class ReplayGraph:
-    def __init__(self, fn, out):
-        self.fn, self.out, self.replays = fn, out, 0
-
-    def replay(self):
-        self.replays += 1
-        self.out.copy_(self.fn())
-
-
 def test_graph_buckets_and_a_failed_capture(monkeypatch):
     """Graphs keyed by (batch bucket, token bucket) read every per-sequence number from their input buffer: replays
     of graphs captured with empty sequences answer rows of other shapes. A bucket that fails to capture halves the
     batch into buckets that do."""
-    from tests.triton_interp import load
-
-    for mod, kernel in (("statecache.conv_triton", "_conv_chunk_kernel"), ("statecache.gdn_triton", "_delta_chunk_kernel"),
-                        ("statecache.span_triton", "_span_batch_kernel")):
-        load(mod, kernel)
-    import statecache.graphs as graphs_mod
+    from tests.triton_interp import batch_graphs_in_interpreter
 
     fail = set()
-
-    def capture(fn, pool, warmup=2):
-        out = fn()  # the warm-up (once: the interpreter is slow)
-        if out.shape[0] in fail:
-            raise RuntimeError("capture refused (test)")
-        return ReplayGraph(fn, out), out
-
-    monkeypatch.setattr(graphs_mod, "capture", capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    batch_graphs_in_interpreter(monkeypatch, refuse=fail)
     cache = make_cache(True)
     runner = BatchRunner(small_model(), TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=MAX_POS,
                          tokens=(64, 128))

@@ -429,22 +429,10 @@ def test_batched_rows_of_mixed_routes(pad):
 def test_one_batch_graph_serves_any_mix_of_routes(monkeypatch):
     """Graph mode (stand-in graphs replaying the Triton batch kernels in the interpreter): the routes and sequence
     indices are graph inputs, so graphs captured with empty sequences answer rows of several routes at once."""
-    import statecache.graphs as graphs_mod
     from statecache.batch import BatchRunner
-    from tests.test_graph_modes import ReplayGraph
-    from tests.triton_interp import load
+    from tests.triton_interp import batch_graphs_in_interpreter
 
-    for mod, kernel in (("statecache.conv_triton", "_conv_chunk_kernel"), ("statecache.gdn_triton", "_delta_chunk_kernel"),
-                        ("statecache.span_triton", "_span_batch_kernel")):
-        load(mod, kernel)
-
-    def capture(fn, pool, warmup=2):
-        out = fn()  # the warm-up, once: the interpreter is slow
-        return ReplayGraph(fn, out), out
-
-    monkeypatch.setattr(graphs_mod, "capture", capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    batch_graphs_in_interpreter(monkeypatch)
     _, _, model, spec = world()
     cache = make_cache(True, spec)
     runner = BatchRunner(model, TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=1024, tokens=(64, 128),
