@@ -118,8 +118,7 @@ class Engine:
             log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
                      f"; failed: {info['failed']}" if info["failed"] else "")
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
-                               specialists=self.specialists)
-        self.plain.between_layers = between_layers  # chunked prefill's step in a packed forward (0: none inside it)
+                               specialists=self.specialists, between_layers=between_layers)
         if self.precapture_info is not None:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
             self.precapture_info["plain"] = self.plain.precapture()  # short lone rows: their graphs now

@@ -5,11 +5,12 @@ Two forms:
   throughput form for a backed-up queue.
 - single: one row alone, its tokens zero-padded to a multiple of `bucket` (everything is causal, so padding after
   the row changes nothing before it). On CUDA each (padded length, slot bucket) is one CUDA graph, captured on
-  first use into one shared pool (or, by an engine that precaptures, at start-up for short rows only: `precapture`;
-  then a shape without a graph runs packed), so a lone uncached row pays no Python or launch overhead. A shape that fails
-  to capture is remembered and that row runs packed instead. A row that leaves checkpoints does not take this form:
-  its delta rule is split at its own positions, which are not a shape a bucketed graph key can hold; with
-  `plant_graphs` (experimental) it runs as pieces of graphs cut at the delta rules (statecache.plant.PlantGraphs).
+  first use into one shared pool (or, by an engine that precaptures, at start-up for short rows only:
+  `precapture`; then a shape without a graph runs packed), so a lone uncached row pays no Python or launch overhead.
+  A shape that fails to capture is remembered and that row runs packed instead. A row that leaves checkpoints does
+  not take this form: its delta rule is split at its own positions, which are not a shape a bucketed graph key can
+  hold; with `plant_graphs` (experimental) it runs as pieces of graphs cut at the delta rules
+  (statecache.plant.PlantGraphs).
 A row with images (a fourth item: its statecache.vision.RowImages) always runs packed (never single, never as
 PlantGraphs' pieces): its tokens take their multimodal positions and, at the image tokens, the vision tower's
 embeddings; the other rows in the same forward keep their 1-D positions (expanded to three equal rows). It may
@@ -46,7 +47,7 @@ class _Graph:
 class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
                  bucket: int = 64, max_graph_tokens: int = 8192, pool=None, specialists=None,
-                 plant_graphs: bool = False):
+                 plant_graphs: bool = False, between_layers: int = 4):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.spec = specialists  # statecache.specialists.Specialists | None
         if specialists is not None:  # fold the adapters into the weights now, before any graph is captured
@@ -58,7 +59,7 @@ class PlainPath:
         # capture a lone row's graph on its shape's first use; an engine that precaptured turns this off, so nothing
         # is captured while it serves (a shape never met runs packed instead)
         self.capture_on_demand = True
-        self.between_layers = 4  # a packed forward calls `between` every this many layers (0: never inside it)
+        self.between_layers = between_layers  # a packed forward calls `between` every this many layers (0: never)
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.failures: list[str] = []

@@ -289,8 +289,8 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
     (sequence b: rows [cu[b], cu[b + 1]), at most lmax, at positions starts[b] + i); off [B, 2] int64: element
     offsets from k / v of sequence b's cached keys / values of [0, starts[b]) (a buffer with k's row and head
     strides, anywhere in memory: a group's K[a]; every offset a multiple of 16, as any layer of a tensor the
-    allocator made is: the kernel loads 16-element vectors); cu [B + 1], starts [B] long on the device -> o [T, Hq, D], zero for
-    tokens of no sequence. max_keys (the longest span any sequence may have) sizes the split rule; graph-safe."""
+    allocator made is: the kernel loads 16-element vectors); cu [B + 1], starts [B] long on the device -> o [T, Hq, D],
+    zero for tokens of no sequence. max_keys (the longest span any sequence may have) sizes the split rule; graph-safe."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     B = starts.shape[0]
