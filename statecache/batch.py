@@ -21,12 +21,19 @@ and returns the answers at each piece's slots; after it, the batch slots hold ea
 and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `precapture` captures every bucket's graph
 at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
 
+A piece may also keep *snapshots*: its state at positions inside it (multiples of 64 tokens from its start, at
+most SNAPS_PER_PIECE), written to slots of `st.snap_S` / `st.snap_conv` (at most `max_snaps` per forward) by the
+delta-rule kernel as its chunk ends there and by a gather of the conv inputs; `snapshot` reads them. Only the
+graphs of pieces over 64 tokens carry this (a hit's question alone never needs it).
+
 `rows_batched` (behind statecache.cache.StateCache.rows_batched) turns cache rows into pieces: each row restores its
-deepest checkpoint; its remaining chunks (those ending at checkpoint positions, each cut into pieces of at most
-MAX_PIECE tokens, then the question) run as steps, one packed forward per step for every row still going (split at
-the largest batch; a failing forward is halved until the failing row stands alone, and only that row is given back
-as None). A row that plants gets its own K/V of [0, p) up front (the restored prefix, then each step's chunk), so
-its next step reads them like any group's. It knows checkpoints' payload layout (conv, S[, feature sum]) and
+deepest checkpoint. A row whose remaining state and question fit one piece (a state grown by an agent's action)
+runs as that one piece, its new checkpoints kept as snapshots inside it, so every such row costs one forward beside
+the hits. Otherwise its remaining chunks (those ending at checkpoint positions, each cut into pieces of at most
+MAX_PIECE tokens, then the question) run as steps, one packed forward per step for every row still going. Forwards
+split at the largest batch, the token bucket and the snapshot slots; a failing forward is halved until the failing
+row stands alone, and only that row is given back as None. A row that plants gets its own K/V of [0, p) up front
+(the restored prefix, then each step's chunk), so its next step reads them like any group's. It knows checkpoints' payload layout (conv, S[, feature sum]) and
 groups' (K, V, serial) as statecache.cache makes them; nothing of Redis, the memo or the engine's grouping.
 """
 
@@ -45,8 +52,10 @@ from .specialists.lora import TokenRoutes
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch-size buckets (sequences per graph)
 TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # packed-token buckets
-PIECES = (64, 128)  # per-sequence token buckets: a 64-token piece is one delta-rule launch, 128 two
-MAX_PIECE = PIECES[-1]  # the most tokens one sequence of a batch may have (statecache.conv_triton.MAX_ROWS)
+PIECES = (64, 128, 256, 512)  # per-sequence token buckets: a 64-token piece is one delta-rule launch, 128 two, ...
+MAX_PIECE = PIECES[-1]  # the most tokens one sequence of a batch may have
+SNAPS_PER_PIECE = 3  # the most snapshots inside one piece (gdn_triton.delta_batch's limit)
+MAX_SNAPS = 16  # snapshot slots of a forward (each holds one GDN state of every layer: 48 MiB at the 9B shape)
 
 
 @dataclass
@@ -64,6 +73,7 @@ class Piece:
     slots: tuple = ()
     nopts: tuple = ()
     route: int = 0  # specialists: the route its adapter layers run with
+    snaps: tuple = ()  # positions in (s, e), multiples of 64 from s, where its state is also kept (`snapshot`)
 
 
 class NotBatched(Exception):
@@ -85,9 +95,13 @@ class BatchKV:
 class BatchState:
     """The static buffers of a batched forward: per-slot GDN states and conv tails, the chunk's K/V."""
 
-    def __init__(self, cfg, max_batch: int, max_tokens: int, device, dtype, features: bool = False):
+    def __init__(self, cfg, max_batch: int, max_tokens: int, device, dtype, features: bool = False, snaps: int = 0):
         G, A = len(cfg.linear_layers), len(cfg.full_layers)
         W = cfg.linear_conv_kernel_dim
+        # snapshot slots: the conv tails and GDN states at positions inside pieces (Piece.snaps)
+        self.snap_conv = torch.zeros(G, snaps, W - 1, cfg.conv_dim, device=device, dtype=dtype) if snaps else None
+        self.snap_S = torch.zeros(G, snaps, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                  cfg.linear_value_head_dim, device=device, dtype=torch.float32) if snaps else None
         self.conv = torch.zeros(G, max_batch, W - 1, cfg.conv_dim, device=device, dtype=dtype)
         self.S = torch.zeros(G, max_batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                              cfg.linear_value_head_dim, device=device, dtype=torch.float32)
@@ -97,19 +111,37 @@ class BatchState:
         self.F = torch.zeros(max_batch, cfg.hidden_size, device=device, dtype=torch.float32) if features else None
 
 
+@dataclass
+class Snaps:
+    """Where a forward keeps states inside its pieces: `at` [Bb, SNAPS_PER_PIECE, 2] long (sequence b's offset from
+    its start, a multiple of 64, or 0 for none; the snapshot slot), `rows` [slots * (W - 1)] long (the packed tokens
+    whose conv inputs make each slot's tail; unused slots read token 0), `host` (eager kernels: [(offset, slot)] per
+    sequence)."""
+
+    at: torch.Tensor
+    rows: torch.Tensor
+    host: list | None = None
+
+
 class BatchMixer:
     """The stateful parts of a forward of Bb packed sequences (Tb tokens), each continuing from its slot."""
 
-    def __init__(self, bk, st: BatchState, Bb: int, Tb: int, lmax: int, pos, cu, starts, kv: BatchKV, lens=None):
+    def __init__(self, bk, st: BatchState, Bb: int, Tb: int, lmax: int, pos, cu, starts, kv: BatchKV, lens=None,
+                 snaps: Snaps | None = None):
         self.bk, self.st, self.Bb, self.Tb, self.lmax = bk, st, Bb, Tb, lmax
         self.pos, self.cu, self.starts, self.kv, self.lens = pos, cu, starts, kv, lens
+        self.snaps = snaps
         self.live = torch.arange(Tb, device=pos.device) < cu[-1]  # [Tb]: tokens of some sequence
 
     def conv(self, j, x, w):
+        if self.snaps is not None:  # each slot's tail: the W - 1 inputs before its position
+            tails = self.st.snap_conv[j]
+            tails.view(-1, tails.shape[-1]).copy_(x.index_select(0, self.snaps.rows))
         return self.bk.conv(x, w, self.st.conv[j, : self.Bb], self.cu, self.lmax, self.lens)
 
     def delta(self, j, q, k, v, g, beta):
-        return self.bk.delta(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, self.lmax, self.lens)
+        snap = None if self.snaps is None else (self.st.snap_S[j], self.snaps)
+        return self.bk.delta(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, self.lmax, self.lens, snap)
 
     def attend(self, a, q, k, v, scale):
         Kc, Vc = self.st.K[a, : self.Tb], self.st.V[a, : self.Tb]
@@ -131,12 +163,12 @@ class BatchKernels:
         if self.triton:
             from . import conv_triton, gdn_triton, span_triton
 
-            self._conv, self._conv_max = conv_triton.conv_batch, conv_triton.MAX_ROWS
+            self._conv = conv_triton.conv_batch
             self._delta, self._span = gdn_triton.delta_batch, span_triton.attend_batch
 
     # each: x / q, k, v packed [T, ...]; cu [Bb + 1] long (device); lens: host lengths (eager) or None (graphs)
     def conv(self, x, w, tails, cu, lmax, lens):
-        if self.triton and lmax <= self._conv_max and x.stride(1) == 1:
+        if self.triton and x.stride(1) == 1:
             return self._conv(x, w, tails, cu, lmax)
         y = torch.zeros_like(x)
         for b, (s, n) in enumerate(self._spans(lens)):
@@ -144,14 +176,26 @@ class BatchKernels:
                 y[s : s + n] = self.k.conv_into(x[s : s + n], w, tails[b], torch.tensor(n, device=x.device))
         return y
 
-    def delta(self, q, k, v, g, beta, S, cu, lmax, lens):
+    def delta(self, q, k, v, g, beta, S, cu, lmax, lens, snap=None):
+        """snap: (slots [N, Hv, Dk, Dv], Snaps) to keep states inside the sequences too, or None."""
         if self.triton:
-            return self._delta(q, k, v, g, beta, S, cu, lmax)
+            if snap is None:
+                return self._delta(q, k, v, g, beta, S, cu, lmax)
+            return self._delta(q, k, v, g, beta, S, cu, lmax, snap=snap[0], snap_at=snap[1].at)
+        if snap is not None and snap[1].host is None:
+            raise NotBatched("the eager batched kernels need the host snapshot positions")
         o = torch.zeros_like(v)
         for b, (s, n) in enumerate(self._spans(lens)):
-            if n:
-                o[s : s + n] = self.k.delta_into(q[s : s + n], k[s : s + n], v[s : s + n], g[s : s + n],
-                                                 beta[s : s + n], S[b])
+            cuts = sorted((c, slot) for c, slot in (snap[1].host[b] if snap is not None and b < len(snap[1].host)
+                                                      else ()) if 0 < c < n)
+            a = 0
+            for c, slot in cuts + [(n, None)]:  # the sequence in parts, its state kept at each cut
+                if c > a:
+                    o[s + a : s + c] = self.k.delta_into(q[s + a : s + c], k[s + a : s + c], v[s + a : s + c],
+                                                         g[s + a : s + c], beta[s + a : s + c], S[b])
+                if slot is not None:
+                    snap[0][slot].copy_(S[b])
+                a = c
         return o
 
     def attend(self, a, q, k, v, cu, starts, kv: BatchKV, lmax, scale, lens):
@@ -183,7 +227,7 @@ class BatchKernels:
 @dataclass
 class _Graph:
     inp: torch.Tensor  # long [2 Tb + 2 Bb S + 2 Bb + 1 + 2 A Bb (+ 2 Tb)]: ids | pos | slots | nopts | cu | starts |
-    # kv offsets (| routes | seq: specialists)
+    # kv offsets (| routes | seq: specialists) (| snapshot positions | tail rows: graphs that keep snapshots)
     ids: torch.Tensor
     pos: torch.Tensor
     slots: torch.Tensor  # [Bb S] packed token index of each answer slot
@@ -193,6 +237,8 @@ class _Graph:
     off: torch.Tensor  # [A, Bb, 2]
     rtok: torch.Tensor | None = None  # [Tb] specialists: each token's route (padding: 0, the trunk)
     seq: torch.Tensor | None = None  # [Tb] specialists: each token's sequence (padding: Bb, counted nowhere)
+    at: torch.Tensor | None = None  # [Bb, SNAPS_PER_PIECE, 2] snapshots (graphs of pieces over 64 tokens): Snaps.at
+    rows: torch.Tensor | None = None  # [max_snaps * (W - 1)]: Snaps.rows
     out: torch.Tensor | None = None  # [Bb S, n_letters]
     graph: "torch.cuda.CUDAGraph | None" = None
     staging: Staging | None = None
@@ -206,11 +252,13 @@ class BatchRunner:
     splits); graphs: CUDA graphs (default on CUDA; they need the Triton kernels); pad: bucket the shapes (always with
     graphs); pool: the graph memory pool to share; triton: the Triton batch kernels (default: where the kernels
     object has statecache's short kernels, i.e. FlaKernels); specialists: a statecache.specialists.Specialists (the
-    chunk runner's own), or None for the trunk."""
+    chunk runner's own), or None for the trunk; max_snaps: snapshot slots per forward (states kept inside pieces,
+    `Piece.snaps`; 0: none; none with specialists, whose checkpoints also need the router's feature sum there)."""
 
     def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
                  max_piece: int = MAX_PIECE, max_pos: int = 8192, graphs: bool | None = None, pad: bool | None = None,
-                 pool=None, triton: bool | None = None, batches=BATCHES, tokens=TOKENS, specialists=None):
+                 pool=None, triton: bool | None = None, batches=BATCHES, tokens=TOKENS, specialists=None,
+                 max_snaps: int = MAX_SNAPS):
         self.model, self.device = model, model.device
         self.spec = specialists
         self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
@@ -226,9 +274,11 @@ class BatchRunner:
         top = max_tokens or self.max_batch * max_piece
         self.tokens = tuple(t for t in tokens if t <= top) or (top,)
         self.max_tokens = self.tokens[-1]
+        self.max_snaps = 0 if specialists is not None else max_snaps
         self.st = BatchState(model.cfg, self.max_batch, self.max_tokens, self.device, model.dtype,
-                             features=specialists is not None)
+                             features=specialists is not None, snaps=self.max_snaps)
         self.n_attn = len(model.cfg.full_layers)
+        self.tail_rows = model.cfg.linear_conv_kernel_dim - 1  # the inputs a conv tail holds
         self.graphs: dict[tuple[int, int], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
@@ -258,19 +308,27 @@ class BatchRunner:
 
     # ---- the forward ----------------------------------------------------------------------------------------------
 
-    def _size(self, Bb: int, Tb: int) -> int:
-        """Elements of a forward's input buffer (see _Graph.inp)."""
-        return 2 * Tb + 2 * Bb * self.max_slots + 2 * Bb + 1 + 2 * self.n_attn * Bb + (2 * Tb if self.spec else 0)
+    def snapping(self, L: int) -> bool:
+        """Do forwards whose longest piece is L tokens keep snapshots? (A position inside a piece is past its first
+        64 tokens; the graphs of 64-token pieces, the hits', carry none of this.)"""
+        return self.max_snaps > 0 and L > PIECES[0]
 
-    def _views(self, inp: torch.Tensor, Bb: int, Tb: int) -> _Graph:
+    def _sizes(self, Bb: int, Tb: int, L: int) -> list[int]:
+        """The parts of a forward's input buffer (see _Graph.inp)."""
         S, A = self.max_slots, self.n_attn
-        sizes = [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb] + ([Tb, Tb] if self.spec else [])
-        ids, pos, slots, nopts, cu, starts, off, *routed = torch.split(inp, sizes)
-        return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(A, Bb, 2), *routed)
+        snaps = [Bb * SNAPS_PER_PIECE * 2, self.max_snaps * self.tail_rows] if self.snapping(L) else []
+        return [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb] + ([Tb, Tb] if self.spec else []) + snaps
 
-    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens) -> torch.Tensor:
+    def _views(self, inp: torch.Tensor, Bb: int, Tb: int, L: int) -> _Graph:
+        ids, pos, slots, nopts, cu, starts, off, *rest = torch.split(inp, self._sizes(Bb, Tb, L))
+        routed = rest[:2] if self.spec else [None, None]
+        at, rows = (rest[-2].view(Bb, SNAPS_PER_PIECE, 2), rest[-1]) if self.snapping(L) else (None, None)
+        return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(self.n_attn, Bb, 2), *routed, at, rows)
+
+    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens, snap_host=None) -> torch.Tensor:
         kv = BatchKV(kv_tensors, g.off, self.st.K, self.st.V)
-        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens)
+        snaps = None if g.at is None else Snaps(g.at, g.rows, snap_host)
+        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens, snaps)
         lora = None if self.spec is None else TokenRoutes(self.spec.lora, self.spec.router, g.rtok)
         h = self.model.body(g.ids, g.pos, mix, lora)  # [Tb, H]
         if lora is not None:  # each sequence's feature sum over its tokens (padding goes to row Bb, dropped)
@@ -278,10 +336,12 @@ class BatchRunner:
             self.st.F[:Bb].copy_(sums.index_add_(0, g.seq, lora.f)[:Bb])
         return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [Bb S, n_letters]
 
-    def _pack(self, pieces: list[Piece], Bb: int, Tb: int) -> torch.Tensor:
-        """The host input buffer of these pieces (see _Graph.inp), filled through numpy (a few us a piece)."""
+    def _pack(self, pieces: list[Piece], Bb: int, Tb: int, L: int) -> tuple[torch.Tensor, list | None]:
+        """The host input buffer of these pieces (see _Graph.inp), filled through numpy (a few us a piece), and the
+        snapshots' host positions (Snaps.host; None when this shape keeps none)."""
         S, A = self.max_slots, self.n_attn
-        buf = np.zeros(self._size(Bb, Tb), dtype=np.int64)
+        sizes = self._sizes(Bb, Tb, L)
+        buf = np.zeros(sum(sizes), dtype=np.int64)
         o_pos, o_slots = Tb, 2 * Tb
         o_nopts = o_slots + Bb * S
         o_cu = o_nopts + Bb * S
@@ -290,7 +350,7 @@ class BatchRunner:
         off = buf[o_off : o_off + 2 * A * Bb].reshape(A, Bb, 2)
         o_rt = o_off + 2 * A * Bb  # specialists: routes, then sequence indices
         if self.spec is not None:
-            buf[o_rt + Tb :] = Bb
+            buf[o_rt + Tb : o_rt + 2 * Tb] = Bb
         buf[o_nopts:o_cu] = 2
         es = self.st.K.element_size()
         k0, v0 = self.st.K.data_ptr(), self.st.V.data_ptr()
@@ -316,11 +376,41 @@ class BatchRunner:
         buf[o_cu + len(pieces) + 1 : o_st] = t
         if (off % 16).any():  # the span kernel loads cached keys as 16-element vectors (span_triton.attend_batch)
             raise NotBatched("a group's K/V is not aligned to 16 elements")
-        return torch.from_numpy(buf)
+        host = self._pack_snaps(pieces, buf, sizes, Bb, L)
+        return torch.from_numpy(buf), host
+
+    def _pack_snaps(self, pieces: list[Piece], buf, sizes: list[int], Bb: int, L: int) -> list | None:
+        """Each piece's snapshots into the buffer's last two parts (Snaps.at, Snaps.rows), slots in order."""
+        wanted = sum(len(pc.snaps) for pc in pieces)
+        if not self.snapping(L):
+            if wanted:
+                raise NotBatched(f"pieces of at most {L} tokens keep no snapshots")
+            return None
+        if wanted > self.max_snaps:
+            raise NotBatched(f"{wanted} snapshots exceed the {self.max_snaps} slots of a forward")
+        o_rows = len(buf) - sizes[-1]
+        at = buf[o_rows - sizes[-2] : o_rows].reshape(Bb, SNAPS_PER_PIECE, 2)
+        at[:, :, 1] = -1
+        host, slot, t, W1 = [], 0, 0, self.tail_rows
+        for b, pc in enumerate(pieces):
+            mine = []
+            if len(pc.snaps) > SNAPS_PER_PIECE:
+                raise NotBatched(f"a piece keeps at most {SNAPS_PER_PIECE} snapshots")
+            for m, e in enumerate(pc.snaps):
+                c = e - pc.s
+                if not (PIECES[0] <= c < pc.e - pc.s and c % PIECES[0] == 0):
+                    raise NotBatched(f"snapshot at {e} is not a multiple of {PIECES[0]} inside [{pc.s}, {pc.e})")
+                at[b, m] = (c, slot)
+                buf[o_rows + slot * W1 : o_rows + (slot + 1) * W1] = np.arange(t + c - W1, t + c)
+                mine.append((c, slot))
+                slot += 1
+            host.append(mine)
+            t += pc.e - pc.s
+        return host
 
     def _capture(self, Bb: int, Tb: int, Lb: int) -> _Graph | None:
-        inp = torch.zeros(self._size(Bb, Tb), dtype=torch.long)
-        g = self._views(inp.to(self.device), Bb, Tb)  # all sequences empty: the warm-up runs touch no slot
+        inp = torch.zeros(sum(self._sizes(Bb, Tb, Lb)), dtype=torch.long)
+        g = self._views(inp.to(self.device), Bb, Tb, Lb)  # all sequences empty: the warm-up runs touch no slot
         got = try_capture(lambda: self._forward(g, Bb, Tb, Lb, [], None), self.pool, self.stats, self.failures,
                           f"batch ({Bb}, {Tb}, {Lb})")
         if got is None:
@@ -360,14 +450,14 @@ class BatchRunner:
                 raise NotBatched("a piece's K/V must be contiguous and hold [0, s)")
         B, T, L = len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces)
         Bb, Tb, Lb = self.ensure(B, T, L)
-        inp = self._pack(pieces, Bb, Tb)
+        inp, snap_host = self._pack(pieces, Bb, Tb, Lb)
         self.stats["forwards"] += 1
         self.stats["sequences"] += B
         if not self.use_graphs:
-            g = self._views(inp.to(self.device), Bb, Tb)
+            g = self._views(inp.to(self.device), Bb, Tb, Lb)
             with torch.no_grad():
                 out = self._forward(g, Bb, Tb, Lb, [(pc.K, pc.V) for pc in pieces], [pc.e - pc.s for pc in pieces]
-                                    + [0] * (Bb - B))
+                                    + [0] * (Bb - B), snap_host)
         else:
             g = self.graphs[(Bb, Tb, Lb)]
             self._send(g, inp)
@@ -392,6 +482,12 @@ class BatchRunner:
         t = sum(pc.e - pc.s for pc in pieces[:b])
         n = pieces[b].e - pieces[b].s
         return self.st.K[:, t : t + n], self.st.V[:, t : t + n]
+
+    def snapshot(self, pieces: list[Piece], b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of piece b's snapshots after a forward, in the order of its `snaps`: (conv tails [G, W - 1, C], GDN
+        states [G, Hv, Dk, Dv]) each (valid until the next forward)."""
+        slot = sum(len(pc.snaps) for pc in pieces[:b])
+        return [(self.st.snap_conv[:, n], self.st.snap_S[:, n]) for n in range(slot, slot + len(pieces[b].snaps))]
 
     def read(self, out: torch.Tensor) -> torch.Tensor:
         """A forward's probabilities on the host (float32), once the GPU is done."""
@@ -445,33 +541,41 @@ class _Row:
     probs: list | None = None
     route: int = 0  # specialists: the route it runs with (its checkpoint's)
     fsum: torch.Tensor | None = None  # specialists: the router's feature sum over [0, next piece's start)
+    inside: tuple = ()  # one piece [c0, n) that plants: the checkpoint positions it snapshots inside (Piece.snaps)
 
 
-def _plan(cache, i: int, ids, state_len: int, slots, nopts, max_piece: int) -> _Row | None:
-    """A row's pieces from its deepest checkpoint, or None (no checkpoint, a piece too long, not eligible)."""
+def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner") -> _Row | None:
+    """A row's pieces from its deepest checkpoint, or None (no checkpoint, a piece too long, not eligible). A row
+    whose state grew by a few checkpoints' worth runs as one piece from the checkpoint to its question's end, the
+    new checkpoints snapshotted inside it (one forward); otherwise its state chunks run as pieces of their own
+    (longer ones cut at MAX_PIECE), then the question."""
     if not cache.eligible(ids, state_len, slots) or len(slots) != len(nopts):
         return None
-    p, n = cache.state_end(state_len), len(ids)
+    p, n, max_piece = cache.state_end(state_len), len(ids), runner.max_piece
     best = cache.index.lookup(ids, limit=p)
     if best is None:
         return None
     ends = cache.plan(state_len, best.pos)
-    todo, a = [], best.pos
-    for e in ends:  # a state chunk longer than a batch piece runs as several pieces, the last one at the checkpoint
-        while e - a > max_piece:
-            todo.append((a, a + max_piece, MID))
-            a += max_piece
-        todo.append((a, e, CKPT))
-        a = e
-    if n - p > max_piece:  # a question longer than a piece: one at a time (no K/V buffer for its middle)
-        return None
-    todo.append((p, n, QUESTION))
+    inside: tuple = ()
+    if ends and n - best.pos <= max_piece and len(ends) <= min(SNAPS_PER_PIECE, runner.max_snaps):
+        todo, inside = [(best.pos, n, QUESTION)], tuple(ends)
+    else:
+        todo, a = [], best.pos
+        for e in ends:  # a state chunk longer than a batch piece runs as several pieces, the last one at the checkpoint
+            while e - a > max_piece:
+                todo.append((a, a + max_piece, MID))
+                a += max_piece
+            todo.append((a, e, CKPT))
+            a = e
+        if n - p > max_piece:  # a question longer than a piece: one at a time (no K/V buffer for its middle)
+            return None
+        todo.append((p, n, QUESTION))
     conv, S = best.payload[:2]
     K, V = best.group.payload[:2]
-    r = _Row(i, ids, list(slots), list(nopts), p, best, todo, conv, S, K, V)
+    r = _Row(i, ids, list(slots), list(nopts), p, best, todo, conv, S, K, V, inside=inside)
     if cache.runner.spec is not None:  # it runs with its checkpoint's route (StateCache.guess), from its feature sum
         r.route, r.fsum = best.route, best.payload[2].clone()
-    if len(todo) > 1:  # it plants: its own K/V of [0, p), starting from the restored prefix
+    if ends:  # it plants: its own K/V of [0, p), starting from the restored prefix
         r.newK = K.new_empty((K.shape[0], p, *K.shape[2:]))
         r.newV = V.new_empty((V.shape[0], p, *V.shape[2:]))
         r.newK[:, : best.pos].copy_(K[:, : best.pos])
@@ -487,7 +591,8 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
         s, e, kind = r.todo[0]
         ask = kind == QUESTION
         pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None,
-                            tuple(r.slots) if ask else (), tuple(r.nopts) if ask else (), r.route))
+                            tuple(r.slots) if ask else (), tuple(r.nopts) if ask else (), r.route,
+                            r.inside if ask else ()))
     try:
         runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces))
         runner.load(pieces)
@@ -512,6 +617,12 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
             if kind == CKPT:
                 r.snaps.append((e, r.conv, r.S, None if r.fsum is None else r.fsum.clone()))
         else:
+            if r.inside:  # the state [s, p) it planted on the way: K/V and the snapshots kept inside the piece
+                Kc, Vc = runner.chunk_kv(pieces, b)
+                r.newK[:, s : r.p].copy_(Kc[:, : r.p - s])
+                r.newV[:, s : r.p].copy_(Vc[:, : r.p - s])
+                for pos, (conv, S) in zip(r.inside, runner.snapshot(pieces, b)):
+                    r.snaps.append((pos, conv.clone(), S.clone(), None))
             r.probs = [probs[b, j, :k].tolist() for j, k in enumerate(r.nopts)]
     return []
 
@@ -530,7 +641,7 @@ def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
     live: list[_Row] = []
     for i, row in enumerate(rows):
         try:
-            r = _plan(cache, i, *row, runner.max_piece)
+            r = _plan(cache, i, *row, runner)
         except Exception as ex:  # noqa: BLE001 - a bad row is left to the caller
             log.warning("row %d cannot be batched: %s: %s", i, type(ex).__name__, str(ex)[:200])
             r = None
@@ -538,14 +649,16 @@ def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
             live.append(r)
     done: list[_Row] = []
     while live:
-        groups, cur, tokens = [], [], 0
+        groups, cur, tokens, snaps = [], [], 0, 0
         for r in live:
             n = r.todo[0][1] - r.todo[0][0]
-            if cur and (len(cur) == runner.max_batch or tokens + n > runner.max_tokens):
+            if cur and (len(cur) == runner.max_batch or tokens + n > runner.max_tokens
+                        or snaps + len(r.inside) > runner.max_snaps):
                 groups.append(cur)
-                cur, tokens = [], 0
+                cur, tokens, snaps = [], 0, 0
             cur.append(r)
             tokens += n
+            snaps += len(r.inside)
         groups.append(cur)
         failed = set()
         for grp in groups:

@@ -19,15 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 128  # one program holds all rows of its channel block
+MAX_ROWS = 128  # conv_chunk: one program holds all rows of its channel block
+BLOCK_ROWS = 64  # conv_batch: a program runs its sequence's rows in blocks of this many (any length)
 
 
 @triton.jit
-def _conv_chunk_kernel(x, sx, w, tail, y, sy, real_ptr, L, C, cu_ptr, s_tail,
+def _conv_chunk_kernel(x, sx, w, tail, y, sy, real_ptr, L, C, cu_ptr, s_tail, n_blocks,
                        W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, VARLEN: tl.constexpr):
     c = tl.program_id(0) * BC + tl.arange(0, BC)  # [BC] channels
     cm = c < C
-    t = tl.arange(0, BT)  # [BT] chunk rows
     if VARLEN:  # sequence b of a packed batch: rows [cu[b], cu[b + 1]), its own tail, no padding rows
         b = tl.program_id(1)
         bos = tl.load(cu_ptr + b)
@@ -38,18 +38,20 @@ def _conv_chunk_kernel(x, sx, w, tail, y, sy, real_ptr, L, C, cu_ptr, s_tail,
         tail += b * s_tail
     else:
         real = tl.load(real_ptr)
-    tm = t < L
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for i in tl.static_range(W):  # tap i reads ext[t + i], ext = [tail (W - 1 rows) | x]
-        e = t + i  # [BT]
-        in_tail = e < W - 1
-        xt = tl.load(tail + e[:, None] * C + c[None, :], mask=(in_tail & tm)[:, None] & cm[None, :], other=0.0)
-        xx = tl.load(x + (e - (W - 1))[:, None] * sx + c[None, :], mask=(~in_tail & tm)[:, None] & cm[None, :],
-                     other=0.0)
-        wi = tl.load(w + c * W + i, mask=cm, other=0.0).to(tl.float32)  # [BC]
-        acc += (xt.to(tl.float32) + xx.to(tl.float32)) * wi[None, :]
-    out = acc * tl.sigmoid(acc)  # SiLU, [BT, BC]
-    tl.store(y + t[:, None] * sy + c[None, :], out.to(y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+    for blk in range(0, n_blocks):  # blocks of BT rows, in order (only the first reads the old tail)
+        t = blk * BT + tl.arange(0, BT)  # [BT] chunk rows
+        tm = t < L
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for i in tl.static_range(W):  # tap i reads ext[t + i], ext = [tail (W - 1 rows) | x]
+            e = t + i  # [BT]
+            in_tail = e < W - 1
+            xt = tl.load(tail + e[:, None] * C + c[None, :], mask=(in_tail & tm)[:, None] & cm[None, :], other=0.0)
+            xx = tl.load(x + (e - (W - 1))[:, None] * sx + c[None, :], mask=(~in_tail & tm)[:, None] & cm[None, :],
+                         other=0.0)
+            wi = tl.load(w + c * W + i, mask=cm, other=0.0).to(tl.float32)  # [BC]
+            acc += (xt.to(tl.float32) + xx.to(tl.float32)) * wi[None, :]
+        out = acc * tl.sigmoid(acc)  # SiLU, [BT, BC]
+        tl.store(y + t[:, None] * sy + c[None, :], out.to(y.dtype.element_ty), mask=tm[:, None] & cm[None, :])
     # the new tail: ext[real + r] for r < W - 1
     r = tl.arange(0, BW)  # [BW]
     e = real + r
@@ -72,26 +74,25 @@ def conv_chunk(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor, real: torch
     y = torch.empty(L, C, dtype=x.dtype, device=x.device)
     BT = max(16, triton.next_power_of_2(L))
     grid = (triton.cdiv(C, block_c),)
-    _conv_chunk_kernel[grid](x, x.stride(0), w, tail, y, y.stride(0), real, L, C, real, 0,
+    _conv_chunk_kernel[grid](x, x.stride(0), w, tail, y, y.stride(0), real, L, C, real, 0, 1,
                              W=W, BT=BT, BC=block_c, BW=max(2, triton.next_power_of_2(W - 1)), VARLEN=False)
     return y
 
 
 def conv_batch(x: torch.Tensor, w: torch.Tensor, tails: torch.Tensor, cu: torch.Tensor, lmax: int,
                block_c: int = 64) -> torch.Tensor:
-    """conv_chunk for B packed sequences: x [T, C] (sequence b: rows [cu[b], cu[b + 1]), at most lmax <= MAX_ROWS of
-    them, all real), tails [B, W - 1, C] (sequence b's saved inputs, updated in place), cu [B + 1] (long, on the
+    """conv_chunk for B packed sequences: x [T, C] (sequence b: rows [cu[b], cu[b + 1]), at most lmax of them, all
+    real, run in blocks of BLOCK_ROWS), tails [B, W - 1, C] (sequence b's saved inputs, updated in place), cu [B + 1] (long, on the
     device) -> y [T, C]; rows of no sequence (past cu[B]) come out zero."""
     T, C = x.shape
     W = w.shape[1]
     B = tails.shape[0]
-    if lmax > MAX_ROWS:
-        raise ValueError(f"conv_batch takes sequences of at most {MAX_ROWS} rows, got {lmax}")
     if x.stride(1) != 1 or not tails.is_contiguous() or not w.is_contiguous():
         raise ValueError("conv_batch needs unit channel stride in x and contiguous w and tails")
     y = torch.zeros(T, C, dtype=x.dtype, device=x.device)
-    BT = max(16, triton.next_power_of_2(lmax))
+    BT = max(16, triton.next_power_of_2(min(max(lmax, 1), BLOCK_ROWS)))
     _conv_chunk_kernel[(triton.cdiv(C, block_c), B)](x, x.stride(0), w, tails, y, y.stride(0), cu, 0, C, cu,
-                                                     tails.stride(0), W=W, BT=BT, BC=block_c,
+                                                     tails.stride(0), triton.cdiv(max(lmax, 1), BT), W=W, BT=BT,
+                                                     BC=block_c,
                                                      BW=max(2, triton.next_power_of_2(W - 1)), VARLEN=True)
     return y

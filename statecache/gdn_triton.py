@@ -72,9 +72,10 @@ def _delta_chunk_kernel(
     L,
     sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
     sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d,
-    scale, cu_ptr, ss_b, piece,
+    scale, cu_ptr, ss_b, piece, snap_ptr, at_ptr, ss_n,
     GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
     BV: tl.constexpr, DOT: tl.constexpr, RAW_QK: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
+    NSNAP: tl.constexpr,
 ):
     if VARLEN:  # sequence b of a packed batch: its tokens [cu[b] + piece, min(cu[b + 1], ... + BT)), its own state
         b = tl.program_id(2)
@@ -90,6 +91,17 @@ def _delta_chunk_kernel(
         o_ptr += bos * so_t
         s_ptr += b * ss_b
     h = tl.program_id(0)  # value head
+    # snapshots (NSNAP > 0, packed sequences): sequence b's state after its first at[b, m, 0] tokens goes to slot
+    # at[b, m, 1] of snap too; this launch's chunk ends at piece + L, so a full chunk ending there writes it
+    if NSNAP > 0:
+        hit0 = (tl.load(at_ptr + b * 2 * NSNAP) == piece + L) & (L == BT)
+        snap0 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 1), 0) * ss_n
+    if NSNAP > 1:
+        hit1 = (tl.load(at_ptr + b * 2 * NSNAP + 2) == piece + L) & (L == BT)
+        snap1 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 3), 0) * ss_n
+    if NSNAP > 2:
+        hit2 = (tl.load(at_ptr + b * 2 * NSNAP + 4) == piece + L) & (L == BT)
+        snap2 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 5), 0) * ss_n
     hk = h // GROUP  # its key head
     t = tl.arange(0, BT)  # [T] token rows
     ck = tl.arange(0, BK)  # [BK] key columns of one slice
@@ -159,6 +171,16 @@ def _delta_chunk_kernel(
             kw = kf * kw_scale[:, None]  # [T, BK]
             S = S * tl.exp2(g_last) + tl.dot(tl.trans(kw), u, input_precision=DOT)  # [BK, BV]
             tl.store(s_ptrs + c * BK * ss_k, S)
+            sn = h * ss_h + (c * BK + ck)[:, None] * ss_k + dv[None, :] * ss_v  # [BK, BV] within a snapshot slot
+            if NSNAP > 0:
+                if hit0:
+                    tl.store(snap0 + sn, S)
+            if NSNAP > 1:
+                if hit1:
+                    tl.store(snap1 + sn, S)
+            if NSNAP > 2:
+                if hit2:
+                    tl.store(snap2 + sn, S)
     q_rs = tl.rsqrt(q_ss + 1e-6) * scale  # [T]
     low = t[:, None] >= t[None, :]  # [T, T] j <= i
     dec = tl.exp2(tl.where(low, cg[:, None] - cg[None, :], float("-inf")))  # [T, T] decay j -> i, 0 above the diagonal
@@ -191,22 +213,26 @@ def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     _delta_chunk_kernel[(Hv, Dv // BV)](
         q, k, v, g, beta, S, o, L,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride(), *o.stride(),
-        Dk**-0.5, S, 0, 0,
+        Dk**-0.5, S, 0, 0, S, S, 0,
         GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BV=BV, DOT=dot_precision,
-        RAW_QK=q.is_cuda and q.element_size() == 2, STORE=store_state, VARLEN=False,
+        RAW_QK=q.is_cuda and q.element_size() == 2, STORE=store_state, VARLEN=False, NSNAP=0,
         num_warps=num_warps,
     )
     return o
 
 
 def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                S: torch.Tensor, cu: torch.Tensor, lmax: int, *, block_v: int = 32, block_k: int = 64,
+                S: torch.Tensor, cu: torch.Tensor, lmax: int, *, snap: torch.Tensor | None = None,
+                snap_at: torch.Tensor | None = None, block_v: int = 32, block_k: int = 64,
                 num_warps: int = 4, dot_precision: str = "tf32") -> torch.Tensor:
     """delta_chunk for B packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequence b: tokens
     [cu[b], cu[b + 1]), at most lmax of them, all real), S [B, Hv, Dk, Dv] float32 (sequence b's state, updated in
     place), cu [B + 1] long on the device -> o [T, Hv, Dv] (zero for tokens of no sequence). A grid axis runs over
     the sequences; a sequence longer than MAX_TOKENS runs as consecutive launches of MAX_TOKENS-token pieces (the
-    launches order the state's update). Graph-safe: nothing per sequence is read on the host."""
+    launches order the state's update). Snapshots: with snap [N, Hv, Dk, Dv] float32 and snap_at [B, M, 2] long
+    (M <= 3; sequence b's state after its first snap_at[b, m, 0] tokens, a multiple of MAX_TOKENS, is also written
+    to snap[snap_at[b, m, 1]]; an offset no chunk ends at, e.g. 0, writes nothing). Graph-safe: nothing per
+    sequence is read on the host."""
     T, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     B = S.shape[0]
@@ -217,14 +243,20 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     BT = max(16, triton.next_power_of_2(min(max(lmax, 1), MAX_TOKENS)))
     if q.is_cuda and BT == 64 and BK < WIDE_KEYS:  # see delta_chunk
         raise ValueError(f"delta_batch on CUDA: 33..64 tokens need key slices of 64 (Dk >= 64, block_k >= 64), got {BK}")
+    nsnap = 0
+    if snap is not None:
+        nsnap = snap_at.shape[1]
+        assert snap.dtype == torch.float32 and snap.shape[1:] == S.shape[1:] and snap.stride()[1:] == S.stride()[1:]
+        assert snap_at.shape == (B, nsnap, 2) and 1 <= nsnap <= 3 and snap_at.is_contiguous()
     o = torch.zeros((T, Hv, Dv), dtype=v.dtype, device=v.device)
     for piece in range(0, max(lmax, 1), BT):
         _delta_chunk_kernel[(Hv, Dv // BV, B)](
             q, k, v, g, beta, S, o, BT,
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride()[1:], *o.stride(),
-            Dk**-0.5, cu, S.stride(0), piece,
+            Dk**-0.5, cu, S.stride(0), piece, S if snap is None else snap, cu if snap_at is None else snap_at,
+            0 if snap is None else snap.stride(0),
             GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BV=BV, DOT=dot_precision,
-            RAW_QK=q.is_cuda and q.element_size() == 2, STORE=True, VARLEN=True,
+            RAW_QK=q.is_cuda and q.element_size() == 2, STORE=True, VARLEN=True, NSNAP=nsnap,
             num_warps=num_warps,
         )
     return o

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statecache.batch import BatchRunner
+from statecache.batch import MAX_PIECE, MAX_SNAPS, BatchRunner
 from statecache.cache import CacheSettings, StateCache
 from statecache.kernels import TorchKernels
 from statecache.runner import ChunkRunner
@@ -28,9 +28,10 @@ def _model():
         yield
 
 
-def batch_cache(pad=False, max_batch=8, **settings) -> StateCache:
+def batch_cache(pad=False, max_batch=8, max_piece=MAX_PIECE, max_snaps=MAX_SNAPS, **settings) -> StateCache:
     cache = make_cache(pad, **settings)
-    cache.batch = BatchRunner(small_model(), TorchKernels(), max_batch=max_batch, pad=pad, max_pos=MAX_POS)
+    cache.batch = BatchRunner(small_model(), TorchKernels(), max_batch=max_batch, pad=pad, max_pos=MAX_POS,
+                              max_piece=max_piece, max_snaps=max_snaps)
     return cache
 
 
@@ -71,7 +72,7 @@ def test_hits_and_grown_states_in_one_batch(pad):
     check(cache, rows, ans)
     assert [a.path for a in ans] == ["hit", "hit", "partial", "hit", "hit"]
     assert cache.stats["ckpts_made"] == made + 1 and cache.stats["batched"] == 5
-    assert cache.batch.stats["forwards"] == 2  # the grown state's planting piece, then every question
+    assert cache.batch.stats["forwards"] == 1  # the grown state plants inside its own piece, beside the questions
     # the grown state's checkpoint is there: its next question is a hit on 320, batched
     again = cache.rows_batched([row(grown, 5, 6)])
     assert again[0].path == "hit" and again[0].reused == 320
@@ -97,7 +98,7 @@ def test_rows_that_cannot_batch_are_left_to_the_caller():
     s = toks(300, 70)
     cache.row(*row(s, 5, 0))
     rows = [row(toks(300, 71), 5, 1),  # nothing saved for this state
-            row(s, 200, 2),  # a question longer than a batch piece
+            row(s, 600, 2),  # a question longer than a batch piece (MAX_PIECE)
             (row(s, 5, 3)[0], 300, [10], [4]),  # not eligible (slot inside the state)
             row(s, 7, 4)]
     ans = cache.rows_batched(rows)
@@ -109,10 +110,10 @@ def test_rows_that_cannot_batch_are_left_to_the_caller():
 
 @pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
 def test_a_state_grown_by_more_than_a_piece_runs_batched(pad):
-    """A grown state whose new chunk is longer than a batch piece (128 tokens) runs as several pieces in successive
-    batched steps beside a hit; it plants its checkpoints as the one-at-a-time path does, and a later row hits its new
-    end."""
-    cache = batch_cache(pad)
+    """A grown state whose new chunk is longer than a batch piece (here 128 tokens) runs as several pieces in
+    successive batched steps beside a hit; it plants its checkpoints as the one-at-a-time path does, and a later row
+    hits its new end."""
+    cache = batch_cache(pad, max_piece=128)
     s, t = toks(300, 80), toks(200, 81)
     cache.row(*row(s, 5, 0))
     cache.row(*row(t, 5, 1))
@@ -132,6 +133,52 @@ def test_a_state_grown_by_more_than_a_piece_runs_batched(pad):
     hit = cache.rows_batched([later])[0]
     assert hit.path == "hit" and hit.reused == 576
     check(cache, [later], [hit])
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
+def test_a_grown_state_plants_inside_one_piece(pad):
+    """A state grown past a stride and its tail runs as one piece from its checkpoint to its question's end: the
+    checkpoints it crosses (stride 384, tail 512, end 576) are snapshotted inside it, one forward for the batch; each
+    planted checkpoint then serves a row that leaves the state there, as the one-at-a-time path's would."""
+    cache = batch_cache(pad)
+    s, t = toks(300, 180), toks(200, 181)
+    cache.row(*row(s, 5, 0))
+    cache.row(*row(t, 5, 1))
+    grown = s + toks(330, 182)  # p 256 -> 576: 320 new state tokens and the question in one 512-token piece
+    rows = [row(grown, 6, 2), row(t, 9, 3)]
+    forwards, made = cache.batch.stats["forwards"], cache.stats["ckpts_made"]
+    ans = cache.rows_batched(rows)
+    check(cache, rows, ans)
+    assert [(a.path, a.reused) for a in ans] == [("partial", 256), ("hit", 192)]
+    assert cache.batch.stats["forwards"] - forwards == 1
+    solo = make_cache(pad)
+    solo.row(*row(s, 5, 0))
+    solo_made = solo.stats["ckpts_made"]
+    solo.row(*rows[0])
+    assert cache.stats["ckpts_made"] - made == solo.stats["ckpts_made"] - solo_made == 3
+    for k, cut in enumerate((384, 512, 576)):  # a row leaving the state at each planted checkpoint
+        r = row(grown[:cut] + toks(40, 190 + k), 7, 10 + k)
+        got = cache.rows_batched([r])[0]
+        assert got.reused == cut, (cut, got)
+        check(cache, [r], [got])
+
+
+def test_snapshots_past_a_forwards_slots_split_the_batch():
+    """More snapshots than a forward has slots: the rows go in successive forwards, each answered and planted."""
+    cache = batch_cache(max_snaps=3)
+    states = [toks(260, 200 + k) for k in range(3)]
+    for k, s in enumerate(states):
+        cache.row(*row(s, 5, k))
+    grown = [s + toks(150, 210 + k) for k, s in enumerate(states)]  # 256 -> 384: checkpoints 320 (tail) and 384
+    rows = [row(g, 4 + k, 20 + k) for k, g in enumerate(grown)]
+    forwards = cache.batch.stats["forwards"]
+    ans = cache.rows_batched(rows)
+    check(cache, rows, ans)
+    assert all(a.path == "partial" for a in ans) and cache.batch.stats["forwards"] - forwards == 3
+    later = [row(g, 9, 30 + k) for k, g in enumerate(grown)]
+    again = cache.rows_batched(later)
+    assert all(a.path == "hit" and a.reused == 384 for a in again)
+    check(cache, later, again)
 
 
 def test_a_bad_row_fails_alone():
@@ -248,3 +295,29 @@ def test_graph_buckets_and_a_failed_capture(monkeypatch):
     check(cache, rows, ans)
     assert runner.stats["capture_failed"] == 1 and runner.graphs[(4, 128, 64)] is None
     assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(1, 64, 64), (2, 64, 64)]
+
+
+def test_graphs_plant_a_grown_state_inside_its_piece(monkeypatch):
+    """Graph mode (stand-in graphs replaying the Triton batch kernels in the interpreter): a grown state's piece keeps
+    its new checkpoint's GDN state and conv tails from the device-side snapshot table; the next row hits it."""
+    from tests.triton_interp import batch_graphs_in_interpreter
+
+    batch_graphs_in_interpreter(monkeypatch)
+    cache = make_cache(True)
+    runner = BatchRunner(small_model(), TorchKernels(), max_batch=2, graphs=True, triton=True, max_pos=MAX_POS,
+                         tokens=(64, 128, 256))
+    runner.bk.span_kw = dict(n_splits=1)
+    cache.batch = runner
+    s, t = toks(270, 220), toks(200, 221)
+    cache.row(*row(s, 4, 0))
+    cache.row(*row(t, 4, 1))
+    grown = s + toks(60, 222)  # p 256 -> 320: one checkpoint inside a 79-token piece
+    rows = [row(grown, 5, 2, 2), row(t, 6, 3)]
+    ans = cache.rows_batched(rows)
+    check(cache, rows, ans)
+    assert [(a.path, a.reused) for a in ans] == [("partial", 256), ("hit", 192)]
+    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(2, 128, 128)]
+    later = row(grown, 9, 4)
+    hit = cache.rows_batched([later])[0]
+    assert hit.path == "hit" and hit.reused == 320
+    check(cache, [later], [hit])

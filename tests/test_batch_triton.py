@@ -32,7 +32,7 @@ def _cu(lens, pad_tokens=0):
 
 
 LENS = [pytest.param([5, 1, 17], 0, id="three"), pytest.param([3, 0, 9, 0], 6, id="empty-and-orphans"),
-        pytest.param([70, 2], 3, id="over-one-piece")]
+        pytest.param([70, 2], 3, id="over-one-piece"), pytest.param([150, 3, 130], 2, id="over-two-conv-blocks")]
 
 
 @pytest.mark.parametrize("lens,pad", LENS)
@@ -69,6 +69,48 @@ def test_delta_batch(lens, pad, Hk, Hv):
     assert (S - S_ref).abs().max().item() < TOL
     if pad:
         assert o[cu[-1]:].abs().max().item() == 0
+
+
+def test_delta_batch_snapshots():
+    """States kept inside sequences (at multiples of 64 tokens, in any slot order) equal the state of a run over the
+    sequence's first tokens only; sequences without snapshots and the final states are as without them; the eager
+    loop's snapshots agree."""
+    from statecache.batch import Snaps
+
+    g = torch.Generator().manual_seed(5)
+    lens, Hk, Hv = [200, 70, 5, 128], 2, 4
+    cu, T = _cu(lens, 3)
+    Dk, Dv = (64 if CUDA else 16), 32
+    q, k = (torch.randn(T, Hk, Dk, generator=g).to(DEV) for _ in range(2))
+    v = torch.randn(T, Hv, Dv, generator=g).to(DEV)
+    gate = (-torch.rand(T, Hv, generator=g) * 0.5).to(DEV)
+    beta = torch.rand(T, Hv, generator=g).to(DEV)
+    S0 = torch.randn(len(lens), Hv, Dk, Dv, generator=g).to(DEV)
+    host = [[(192, 3), (64, 0), (128, 4)], [(64, 1)], [], [(64, 2)]]  # (offset, slot) per sequence
+    at = torch.zeros(len(lens), 3, 2, dtype=torch.long)
+    at[:, :, 1] = -1
+    for b, mine in enumerate(host):
+        for m, (c, slot) in enumerate(mine):
+            at[b, m] = torch.tensor([c, slot])
+    snap = torch.full((6, Hv, Dk, Dv), 7.0, device=DEV)
+    S = S0.clone()
+    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), snap=snap, snap_at=at.to(DEV),
+                               dot_precision="ieee")
+    S_plain = S0.clone()
+    o_plain = gdn_triton.delta_batch(q, k, v, gate, beta, S_plain, cu, max(lens), dot_precision="ieee")
+    assert (o - o_plain).abs().max().item() == 0 and (S - S_plain).abs().max().item() == 0
+    ref_snap, S_ref = snap.clone(), S0.clone()
+    ref = REF.delta(q, k, v, gate, beta, S_ref, cu, max(lens), lens, (ref_snap, Snaps(at, torch.zeros(1), host)))
+    assert (o - ref).abs().max().item() < TOL and (S - S_ref).abs().max().item() < TOL
+    for b, mine in enumerate(host):
+        for c, slot in mine:
+            want = S0[b : b + 1].clone()  # the state after the sequence's first c tokens, run on their own
+            s0 = int(cu[b])
+            REF.delta(q[s0 : s0 + c], k[s0 : s0 + c], v[s0 : s0 + c], gate[s0 : s0 + c], beta[s0 : s0 + c], want,
+                      torch.tensor([0, c]), c, [c])
+            assert (snap[slot] - want[0]).abs().max().item() < TOL, (b, c)
+            assert (ref_snap[slot] - want[0]).abs().max().item() < TOL, (b, c)
+    assert (snap[5] == 7.0).all()  # a slot nobody asked for is left alone
 
 
 @pytest.mark.parametrize("lens,pad", LENS)

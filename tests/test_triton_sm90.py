@@ -29,19 +29,22 @@ def _mods():
     return gdn_triton, conv_triton, span_triton
 
 
-def delta_kernel(varlen):
+def delta_kernel(varlen, nsnap=0):
     names = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "s_ptr", "o_ptr", "L", "sq_t", "sq_h", "sq_d", "sk_t",
              "sk_h", "sk_d", "sv_t", "sv_h", "sv_d", "sg_t", "sg_h", "sb_t", "sb_h", "ss_h", "ss_k", "ss_v", "so_t",
-             "so_h", "so_d", "scale", "cu_ptr", "ss_b", "piece"]
-    types = ["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "i32"] + ["i32"] * 19 + ["fp32", "*i64", "i32", "i32"]
-    consts = dict(GROUP=2, DK=128, BK=64, BT=64, LOG_BT=6, BV=32, DOT="tf32", RAW_QK=True, STORE=True, VARLEN=varlen)
+             "so_h", "so_d", "scale", "cu_ptr", "ss_b", "piece", "snap_ptr", "at_ptr", "ss_n"]
+    types = (["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "i32"] + ["i32"] * 19
+             + ["fp32", "*i64", "i32", "i32", "*fp32", "*i64", "i32"])
+    consts = dict(GROUP=2, DK=128, BK=64, BT=64, LOG_BT=6, BV=32, DOT="tf32", RAW_QK=True, STORE=True, VARLEN=varlen,
+                  NSNAP=nsnap)
     assert _compile(_mods()[0]._delta_chunk_kernel, names, types, consts).asm["ptx"]
 
 
 def conv_kernel(varlen):
-    names = ["x", "sx", "w", "tail", "y", "sy", "real_ptr", "L", "C", "cu_ptr", "s_tail"]
-    types = ["*bf16", "i32", "*bf16", "*bf16", "*bf16", "i32", "*i64", "i32", "i32", "*i64", "i32"]
-    assert _compile(_mods()[1]._conv_chunk_kernel, names, types, dict(W=4, BT=128, BC=64, BW=4, VARLEN=varlen)).asm["ptx"]
+    names = ["x", "sx", "w", "tail", "y", "sy", "real_ptr", "L", "C", "cu_ptr", "s_tail", "n_blocks"]
+    types = ["*bf16", "i32", "*bf16", "*bf16", "*bf16", "i32", "*i64", "i32", "i32", "*i64", "i32", "i32"]
+    bt = 64 if varlen else 128  # conv_batch runs blocks of BLOCK_ROWS; conv_chunk up to MAX_ROWS rows at once
+    assert _compile(_mods()[1]._conv_chunk_kernel, names, types, dict(W=4, BT=bt, BC=64, BW=4, VARLEN=varlen)).asm["ptx"]
 
 
 def span_batch_kernel(direct):
@@ -69,7 +72,7 @@ def test_kernels_compile_for_sm90():
     if "AOT-API" in r.stdout:
         pytest.skip("this Triton's ahead-of-time compile API differs")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 6, r.stdout
+    assert r.stdout.count("compiled") == 7, r.stdout
 
 
 if __name__ == "__main__":
@@ -80,7 +83,8 @@ if __name__ == "__main__":
     if "constexprs" not in inspect.signature(ASTSource).parameters:
         print("AOT-API")
         raise SystemExit(0)
-    for name, fn, flag in (("delta", delta_kernel, True), ("delta", delta_kernel, False), ("conv", conv_kernel, True),
+    for name, fn, flag in (("delta", delta_kernel, True), ("delta", delta_kernel, False),
+                           ("delta snapshots", lambda v: delta_kernel(v, nsnap=3), True), ("conv", conv_kernel, True),
                            ("conv", conv_kernel, False), ("span", span_batch_kernel, True),
                            ("span", span_batch_kernel, False)):
         fn(flag)
