@@ -38,6 +38,7 @@ from .compile_cache import use_persistent_caches
 from .kernels import kernels_for
 from .config import load_config
 from .loader import load_weights
+from .index import as_ids
 from .memo import Memo, row_key
 from .model import Qwen35
 from .plain import PlainPath
@@ -269,7 +270,7 @@ class Engine:
     def _prepare(self, i: int, raw):
         """One row checked (text rows tokenised, images decoded) -> (row, memo key), or its error result (a dict)."""
         try:
-            row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
+            row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images, as_array=True)
             if row.get("images"):
                 from .vision import RowImages
 
@@ -439,9 +440,11 @@ class Engine:
             self.counts["rows"] += sum(results[i] is not None for i, _, _ in items)
         return results
 
-    def _groups(self, todo) -> tuple["OrderedDict[tuple, list]", list]:
+    def _groups(self, todo) -> tuple["OrderedDict[bytes, list]", list]:
         """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
-        and the rows the cached path cannot take (for the plain path)."""
+        and the rows the cached path cannot take (for the plain path). The key is the bytes of the state's tokens
+        as int64 (exact: equal bytes, equal tokens; a row's ids are an int64 array already, an image row's key
+        tokens a list)."""
         groups: OrderedDict = OrderedDict()
         plain = []
         for item in todo:
@@ -451,7 +454,7 @@ class Engine:
                 continue
             p = self._p(row)
             keys = row["mm"].keys if "mm" in row else row["ids"]
-            groups.setdefault(tuple(keys[:p]), []).append(item)
+            groups.setdefault(as_ids(keys[:p]).tobytes(), []).append(item)
         return groups, plain
 
     def _plant_ok(self, members, batch_rows: int, waiting_rows: int) -> bool:

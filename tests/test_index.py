@@ -292,6 +292,7 @@ class IndexVsModel(RuleBasedStateMachine):
                     best = c
         before = self.ix.lru_order()
         assert self.ix.lookup(ids, limit, route) is best
+        assert self.ix.lookup(ids.tolist(), limit, route) is best  # a list: the same answer (its own code path)
         assert self.ix.lru_order() == before
 
     @rule(ids=small_ids, limit=st.integers(-1, 11), route=st.none() | routes)
