@@ -94,6 +94,7 @@ class CheckpointIndex:
         self._digest_mask = (1 << (8 * int(digest_size))) - 1
         self._clock = 0
         self._bytes = 0
+        self.version = 0  # bumped by every change that can change what `lookup` returns (see `lookup`)
         self._groups: dict[Group, None] = {}  # live groups, insertion-ordered
         self._lru: OrderedDict[Checkpoint, None] = OrderedDict()  # least recent first
         self._buckets: dict[tuple[int, int], list[Checkpoint]] = {}  # (pos, fingerprint of ids[:pos]) -> candidates
@@ -119,7 +120,8 @@ class CheckpointIndex:
 
     def lookup(self, ids: object, limit: int, route: int | None = None) -> Checkpoint | None:
         """The deepest checkpoint with ``pos <= limit`` whose group's tokens equal ``ids[:pos]`` (and of ``route``
-        when given); among several at that depth (other routes), the most recently used. Does not touch the LRU."""
+        when given); among several at that depth (other routes), the most recently used. Does not touch the LRU.
+        The answer holds while ``version`` is unchanged (a caller may keep it that long instead of looking again)."""
         if isinstance(ids, list):
             return self._lookup_list(ids, limit, route)
         arr = as_ids(ids)  # an int64 array: sampled with numpy, compared with the group's array (a memcmp)
@@ -182,6 +184,7 @@ class CheckpointIndex:
         bucket = self._buckets.setdefault((pos, self._fingerprint(group.tokens, pos)), [])
         old = next((c for c in bucket if c.route == route and _head(c.group.tokens, pos) == head), None)
         c = Checkpoint(group, pos, payload, int(nbytes), int(route))
+        self.version += 1
         bucket.append(c)
         group.ckpts.append(c)
         self._lru[c] = None
@@ -198,6 +201,7 @@ class CheckpointIndex:
     def touch(self, ckpt: Checkpoint) -> None:
         """Mark a checkpoint most recently used; a checkpoint no longer live is ignored."""
         if ckpt in self._lru:
+            self.version += 1  # recency decides between checkpoints of other routes at one depth
             self._lru.move_to_end(ckpt)
             self._stamp(ckpt)
 
@@ -215,6 +219,7 @@ class CheckpointIndex:
 
     def clear(self) -> None:
         """Forget everything (groups and checkpoints become not live)."""
+        self.version += 1
         self._groups.clear()
         self._lru.clear()
         self._buckets.clear()
@@ -239,6 +244,7 @@ class CheckpointIndex:
         c.used = self._clock
 
     def _drop(self, c: Checkpoint) -> None:
+        self.version += 1
         del self._lru[c]
         key = (c.pos, self._fingerprint(c.group.tokens, c.pos))
         bucket = self._buckets[key]
