@@ -544,15 +544,19 @@ class _Row:
     inside: tuple = ()  # one piece [c0, n) that plants: the checkpoint positions it snapshots inside (Piece.snaps)
 
 
-def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner") -> _Row | None:
+def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner", found=None) -> _Row | None:
     """A row's pieces from its deepest checkpoint, or None (no checkpoint, a piece too long, not eligible). A row
     whose state grew by a few checkpoints' worth runs as one piece from the checkpoint to its question's end, the
     new checkpoints snapshotted inside it (one forward); otherwise its state chunks run as pieces of their own
-    (longer ones cut at MAX_PIECE), then the question."""
+    (longer ones cut at MAX_PIECE), then the question. found: (checkpoint, index version) of the caller's own
+    `cache.index.lookup(ids, limit=p)`, used while the version holds."""
     if not cache.eligible(ids, state_len, slots) or len(slots) != len(nopts):
         return None
     p, n, max_piece = cache.state_end(state_len), len(ids), runner.max_piece
-    best = cache.index.lookup(ids, limit=p)
+    if found is not None and found[1] == cache.index.version:  # nothing planted, evicted or touched since
+        best = found[0]
+    else:
+        best = cache.index.lookup(ids, limit=p)
     if best is None:
         return None
     ends = cache.plan(state_len, best.pos)
@@ -627,12 +631,13 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
     return []
 
 
-def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
+def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
     """statecache.cache.StateCache.rows_batched: [(ids, state_len, slots, nopts)] -> [Answer | None]; None for a row
     that has no checkpoint, whose question does not fit a batch piece, or that failed (the caller runs those one at a
     time). With specialists a misprediction runs again here, one at a time (`StateCache.row` with the router's
     route; its answer counts both runs' tokens), unless this call comes from inside a row's `between` hook (the chunk
-    runner's buffers hold that row): then it comes back as None, for the caller to run later."""
+    runner's buffers hold that row): then it comes back as None, for the caller to run later. found: per row None or
+    (checkpoint, index version) of the caller's lookup of it (`_plan`)."""
     from .cache import Answer
 
     if (runner.spec is None) != (cache.runner.spec is None):
@@ -641,7 +646,7 @@ def rows_batched(cache, runner: BatchRunner, rows, log) -> list:
     live: list[_Row] = []
     for i, row in enumerate(rows):
         try:
-            r = _plan(cache, i, *row, runner)
+            r = _plan(cache, i, *row, runner, found[i] if found is not None else None)
         except Exception as ex:  # noqa: BLE001 - a bad row is left to the caller
             log.warning("row %d cannot be batched: %s: %s", i, type(ex).__name__, str(ex)[:200])
             r = None

@@ -254,16 +254,18 @@ class StateCache:
             self.stats["ckpts_made"] += 1
 
     @torch.no_grad()
-    def rows_batched(self, rows) -> list[Answer | None]:
+    def rows_batched(self, rows, found=None) -> list[Answer | None]:
         """Rows [(ids, state_len, slots, nopts)] that continue from saved states, their short chunks run together in
         packed forwards (statecache.batch) -> one Answer per row, or None for a row left to the caller (no checkpoint
         to continue from, a question longer than a batch piece, no batch runner, or it failed). Grown states
-        plant their checkpoints as `row` does; the LRU is touched and enforced once at the end."""
+        plant their checkpoints as `row` does; the LRU is touched and enforced once at the end. found: per row None
+        or (checkpoint, `index.version`) of the caller's `index.lookup(ids, limit=state_end(state_len))`, used instead
+        of looking the row up again while the index's version is unchanged."""
         if self.batch is None or self.s.mb <= 0:
             return [None] * len(rows)
         from .batch import rows_batched
 
-        return rows_batched(self, self.batch, rows, log)
+        return rows_batched(self, self.batch, rows, log, found)
 
     def clear(self) -> None:
         self.index.clear()

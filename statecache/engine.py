@@ -38,6 +38,7 @@ from .compile_cache import use_persistent_caches
 from .kernels import kernels_for
 from .config import load_config
 from .loader import load_weights
+from .index import as_ids
 from .memo import Memo, row_key
 from .model import Qwen35
 from .plain import PlainPath
@@ -269,7 +270,7 @@ class Engine:
     def _prepare(self, i: int, raw):
         """One row checked (text rows tokenised, images decoded) -> (row, memo key), or its error result (a dict)."""
         try:
-            row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images)
+            row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images, as_array=True)
             if row.get("images"):
                 from .vision import RowImages
 
@@ -313,6 +314,8 @@ class Engine:
         4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
         groups, plain = self._groups(todo)
         saved, grown, planting, chunked = [], [], [], []  # groups of rows (i, row, key)
+        version, found = self.cache.index.version, {}  # memo key -> (checkpoint, index version): the first batched
+        # call plans from these lookups instead of repeating them (while nothing is planted, evicted or touched)
         for members in groups.values():
             row = members[0][1]
             best = self.cache.index.lookup(row["mm"].keys if "mm" in row else row["ids"], limit=self._p(row))
@@ -320,6 +323,7 @@ class Engine:
                 chunked.append(members)
             elif best is not None:
                 (saved if best.pos == self._p(row) else grown).append(members)
+                found.update((key, (best, version)) for _, _, key in members)  # a group shares its state's lookup
             elif self._plant_ok(members, batch_rows, waiting_rows):
                 # with specialists a new state plants through the cache's chunked path (route-aware checkpoints)
                 (chunked if self.specialists is not None else planting).append(members)
@@ -328,7 +332,7 @@ class Engine:
                 plain += members
         later: list = []  # rows a batched call left
         if self.cache.batch is not None:
-            later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results)
+            later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results, found)
         else:
             chunked = saved + grown + chunked
         self._deliver(results)  # answered so far: handed back before the long forward
@@ -379,9 +383,10 @@ class Engine:
     def _p(self, row) -> int:
         return self.cache.state_end(row["state_len"])
 
-    def _batched(self, items, results) -> list:
+    def _batched(self, items, results, found=None) -> list:
         """Rows (i, row, memo key) that continue from saved states, through one StateCache.rows_batched call (each
-        distinct row once) -> the rows it left (for the cache one at a time)."""
+        distinct row once) -> the rows it left (for the cache one at a time). found: memo key -> (checkpoint, index
+        version) of the row's lookup (StateCache.rows_batched)."""
         todo, uniq = [], {}
         for i, row, key in items:
             if results[i] is not None:
@@ -398,7 +403,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             answers = self.cache.rows_batched([(uniq[k][0]["ids"], uniq[k][0]["state_len"], uniq[k][0]["slots"],
-                                                uniq[k][0]["nopts"]) for k in todo])
+                                                uniq[k][0]["nopts"]) for k in todo],
+                                              None if not found else [found.get(k) for k in todo])
         except Exception:  # noqa: BLE001 - the rows go one at a time instead
             log.exception("batched rows failed")
             answers = [None] * len(todo)
@@ -439,9 +445,11 @@ class Engine:
             self.counts["rows"] += sum(results[i] is not None for i, _, _ in items)
         return results
 
-    def _groups(self, todo) -> tuple["OrderedDict[tuple, list]", list]:
+    def _groups(self, todo) -> tuple["OrderedDict[bytes, list]", list]:
         """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
-        and the rows the cached path cannot take (for the plain path)."""
+        and the rows the cached path cannot take (for the plain path). The key is the bytes of the state's tokens
+        as int64 (exact: equal bytes, equal tokens; a row's ids are an int64 array already, an image row's key
+        tokens a list)."""
         groups: OrderedDict = OrderedDict()
         plain = []
         for item in todo:
@@ -451,7 +459,7 @@ class Engine:
                 continue
             p = self._p(row)
             keys = row["mm"].keys if "mm" in row else row["ids"]
-            groups.setdefault(tuple(keys[:p]), []).append(item)
+            groups.setdefault(as_ids(keys[:p]).tobytes(), []).append(item)
         return groups, plain
 
     def _plant_ok(self, members, batch_rows: int, waiting_rows: int) -> bool:

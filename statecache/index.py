@@ -9,9 +9,10 @@ last checkpoint.
 
 Lookup is token-exact: a fingerprint of the prefix (a Python hash of its last 32 tokens and of every 61st token,
 with the position) finds candidates, and comparing the tokens decides, so a fingerprint collision can cost a
-comparison but never give a state of other tokens. Groups keep their tokens as a Python list too, so a row that
-arrives as a list (as rows do, from msgpack) is looked up without converting it: on a 4096-token hit that took
-~40 us here, where converting to int64 and hashing every token took ~75 us.
+comparison but never give a state of other tokens. A row given as an int64 array (the engine's rows: statecache.rows
+with `as_array`) is sampled with numpy and compared with the group's array (~10 us for a 4096-token hit here); groups
+keep their tokens as a Python list too, so a row given as a list (in-process callers, image rows' key tokens) is
+looked up without converting it (~40 us; converting it to int64 first took ~75 us more).
 
 What this module does NOT know: tensors, devices, dtypes, the model, how a payload is made, restored or freed.
 Payloads are opaque; the index only holds references to them and drops those references on eviction (the
@@ -93,6 +94,7 @@ class CheckpointIndex:
         self._digest_mask = (1 << (8 * int(digest_size))) - 1
         self._clock = 0
         self._bytes = 0
+        self.version = 0  # bumped by every change that can change what `lookup` returns (see `lookup`)
         self._groups: dict[Group, None] = {}  # live groups, insertion-ordered
         self._lru: OrderedDict[Checkpoint, None] = OrderedDict()  # least recent first
         self._buckets: dict[tuple[int, int], list[Checkpoint]] = {}  # (pos, fingerprint of ids[:pos]) -> candidates
@@ -118,8 +120,30 @@ class CheckpointIndex:
 
     def lookup(self, ids: object, limit: int, route: int | None = None) -> Checkpoint | None:
         """The deepest checkpoint with ``pos <= limit`` whose group's tokens equal ``ids[:pos]`` (and of ``route``
-        when given); among several at that depth (other routes), the most recently used. Does not touch the LRU."""
-        row = ids if isinstance(ids, list) else as_ids(ids).tolist()
+        when given); among several at that depth (other routes), the most recently used. Does not touch the LRU.
+        The answer holds while ``version`` is unchanged (a caller may keep it that long instead of looking again)."""
+        if isinstance(ids, list):
+            return self._lookup_list(ids, limit, route)
+        arr = as_ids(ids)  # an int64 array: sampled with numpy, compared with the group's array (a memcmp)
+        top = min(int(limit), len(arr))
+        end = bisect.bisect_right(self._positions, top)
+        for k in reversed(self._positions[:end]):
+            cands = self._buckets.get((k, self._fingerprint(arr, k)))
+            if not cands:
+                continue
+            head = arr[:k]
+            best: Checkpoint | None = None
+            for c in cands:
+                if route is not None and c.route != route:
+                    continue
+                if (best is None or c.used > best.used) and np.array_equal(c.group.ids[:k], head):
+                    best = c
+            if best is not None:
+                return best
+        return None
+
+    def _lookup_list(self, row: list, limit: int, route: int | None) -> Checkpoint | None:
+        """`lookup` of a list of ints: sampled and compared as Python lists (no conversion)."""
         top = min(int(limit), len(row))
         end = bisect.bisect_right(self._positions, top)
         for k in reversed(self._positions[:end]):
@@ -160,6 +184,7 @@ class CheckpointIndex:
         bucket = self._buckets.setdefault((pos, self._fingerprint(group.tokens, pos)), [])
         old = next((c for c in bucket if c.route == route and _head(c.group.tokens, pos) == head), None)
         c = Checkpoint(group, pos, payload, int(nbytes), int(route))
+        self.version += 1
         bucket.append(c)
         group.ckpts.append(c)
         self._lru[c] = None
@@ -176,6 +201,7 @@ class CheckpointIndex:
     def touch(self, ckpt: Checkpoint) -> None:
         """Mark a checkpoint most recently used; a checkpoint no longer live is ignored."""
         if ckpt in self._lru:
+            self.version += 1  # recency decides between checkpoints of other routes at one depth
             self._lru.move_to_end(ckpt)
             self._stamp(ckpt)
 
@@ -193,6 +219,7 @@ class CheckpointIndex:
 
     def clear(self) -> None:
         """Forget everything (groups and checkpoints become not live)."""
+        self.version += 1
         self._groups.clear()
         self._lru.clear()
         self._buckets.clear()
@@ -202,17 +229,22 @@ class CheckpointIndex:
 
     # ---- internals -------------------------------------------------------------------------------------------------
 
-    def _fingerprint(self, tokens: list[int], k: int) -> int:
-        """A hash of tokens[:k] from a sample of them: the last 32 and every 61st (0 with digest_size 0)."""
+    def _fingerprint(self, tokens: list[int] | np.ndarray, k: int) -> int:
+        """A hash of tokens[:k] from a sample of them: the last 32 and every 61st (0 with digest_size 0); the same
+        for a list and an int64 array of the same tokens (both sampled as tuples of Python ints)."""
         if not self._digest_mask:
             return 0
-        return hash((k, tuple(tokens[max(0, k - 32) : k]), tuple(tokens[0:k:61]))) & self._digest_mask
+        last, every = tokens[max(0, k - 32) : k], tokens[0:k:61]
+        if isinstance(tokens, np.ndarray):
+            last, every = last.tolist(), every.tolist()
+        return hash((k, tuple(last), tuple(every))) & self._digest_mask
 
     def _stamp(self, c: Checkpoint) -> None:
         self._clock += 1
         c.used = self._clock
 
     def _drop(self, c: Checkpoint) -> None:
+        self.version += 1
         del self._lru[c]
         key = (c.pos, self._fingerprint(c.group.tokens, c.pos))
         bucket = self._buckets[key]

@@ -26,9 +26,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .graphs import new_stats, pack_inputs, try_capture
+from .index import as_ids
 from .mixers import PackedMixer
 from .plant import Planted, PlantGraphs, PlantMixer
 from .specialists.lora import RoutedRows
@@ -127,7 +129,7 @@ class PlainPath:
 
     def _packed(self, rows, batch: list[int], results: list, plans=None, planted=None, between=None) -> None:
         dev = self.model.device
-        ids = torch.tensor([t for i in batch for t in rows[i][0]], dtype=torch.long)
+        ids = torch.from_numpy(np.concatenate([as_ids(rows[i][0]) for i in batch]))  # lists or int64 arrays
         lens = [len(rows[i][0]) for i in batch]
         starts = [0]
         for n in lens:

@@ -5,7 +5,8 @@ Knows the row's shape only: token rows (`ids`, `state_len`, `slots`, `nopts`) an
 `questions`), either with optional `images` (checked by statecache.images, which `check_row` hands them to).
 Does not know the model beyond its vocabulary size, nor the tokenizer (text rows are turned into token rows by
 `statecache.text`), nor the queue. No torch: the checks over a row's ids run as C loops (a set of the element
-types, numpy's min and max), ~0.1 ms for 4k ids (bench/host_path.py).
+types, numpy's min and max), ~0.1 ms for 4k ids (bench/host_path.py); with `as_array` (the engine's) one conversion
+to int64 does the type check too and the row keeps the array.
 
 Rows arrive through msgpack, so anything may come: bools where ints belong (bool is an int in Python, so it
 is rejected by type, not by value), floats, strings, nested junk. Every problem becomes a `RowError` with a
@@ -14,6 +15,7 @@ short snake_case `code` and a message that names the field and the bad value.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import numpy as np
@@ -76,6 +78,20 @@ def _int_list(value: Any, where: str) -> list[int]:
 _INT = {int}
 
 
+def _id_array(value: list | tuple) -> np.ndarray | None:
+    """The ids as an int64 array when every one is an int (or an integer scalar) that fits and none is a bool (one C
+    loop, ~85 us for 4k ids, and a look at the few ids that are 0 or 1); None otherwise (the caller then checks them
+    one by one, as `_int_list` does, for the exact error)."""
+    try:
+        arr = np.frombuffer(array("q", value), dtype=np.int64)  # refuses floats, strings, None, huge ints
+    except (TypeError, OverflowError, ValueError):
+        return None
+    small = np.flatnonzero(arr <= 1)  # a bool went in as 0 or 1 (bool is an int): look at those only
+    if small.size and any(type(value[i]) is bool for i in small.tolist()):
+        return None
+    return arr
+
+
 def _id_range(ids: list[int]) -> tuple[int, int]:
     """min and max of the ids, over an int64 array when they fit in one (a C loop), else in Python."""
     try:
@@ -85,10 +101,13 @@ def _id_range(ids: list[int]) -> tuple[int, int]:
     return int(arr.min()), int(arr.max())
 
 
-def check_token_row(row: Any, vocab_size: int, max_tokens: int) -> dict:
-    """A validated, normalised copy of a token row; raises RowError for anything malformed."""
+def check_token_row(row: Any, vocab_size: int, max_tokens: int, as_array: bool = False) -> dict:
+    """A validated, normalised copy of a token row; raises RowError for anything malformed. as_array: `ids` comes
+    out as a read-only int64 numpy array (what the engine works on: memo keys, grouping, index lookups and packing
+    read it without a Python loop) instead of a list of ints."""
     check_fields(row, TOKEN_FIELDS, "token")
-    ids = _int_list(row["ids"], "ids")
+    arr = _id_array(row["ids"]) if as_array and isinstance(row["ids"], (list, tuple)) else None
+    ids = arr if arr is not None else _int_list(row["ids"], "ids")
     state_len = _int(row["state_len"], "state_len")
     slots = _int_list(row["slots"], "slots")
     nopts = _int_list(row["nopts"], "nopts")
@@ -97,10 +116,10 @@ def check_token_row(row: Any, vocab_size: int, max_tokens: int) -> dict:
         raise RowError("empty", "ids is empty")
     if n > max_tokens:
         raise RowError("too_long", f"row has {n} tokens, more than the limit {max_tokens}")
-    lo, hi = _id_range(ids)
+    lo, hi = (int(arr.min()), int(arr.max())) if arr is not None else _id_range(ids)
     if lo < 0 or hi >= vocab_size:
         i = next(i for i, x in enumerate(ids) if x < 0 or x >= vocab_size)
-        raise RowError("id_out_of_range", f"ids[{i}] = {ids[i]} is outside [0, {vocab_size})")
+        raise RowError("id_out_of_range", f"ids[{i}] = {int(ids[i])} is outside [0, {vocab_size})")
     if not 0 <= state_len <= n:
         raise RowError("state_len_out_of_range", f"state_len = {state_len} is outside [0, {n}] (len(ids) = {n})")
     if not slots:
@@ -113,12 +132,20 @@ def check_token_row(row: Any, vocab_size: int, max_tokens: int) -> dict:
     for i, k in enumerate(nopts):
         if not MIN_OPTIONS <= k <= MAX_OPTIONS:
             raise RowError("bad_nopts", f"nopts[{i}] = {k} is outside {MIN_OPTIONS}..{MAX_OPTIONS}")
+    if as_array:
+        if arr is None:  # checked one by one: every id is an int in [0, vocab_size) now
+            arr = np.array(ids, dtype=np.int64)
+        arr.setflags(write=False)
+        ids = arr
     return {"ids": ids, "state_len": state_len, "slots": slots, "nopts": nopts}
 
 
-def check_row(row: Any, vocab_size: int, max_tokens: int, tokenizer: Any = None, images: Any = None) -> dict:
+def check_row(row: Any, vocab_size: int, max_tokens: int, tokenizer: Any = None, images: Any = None,
+              as_array: bool = False) -> dict:
     """Either form in, a validated token row out (text rows are tokenised with `tokenizer`). A row with `images`
-    needs `images` (the model's statecache.images.ImageSupport) and comes out with `images`: its located ImageRefs."""
+    needs `images` (the model's statecache.images.ImageSupport) and comes out with `images`: its located ImageRefs.
+    as_array: a row without images comes out with `ids` as a read-only int64 array (`check_token_row`); a row with
+    images keeps a list (statecache.images and statecache.vision work on lists)."""
     if isinstance(row, dict) and "ids" in row and any(k in row for k in TEXT_FIELDS):
         raise RowError("bad_row", "a row is either a token row (ids, ...) or a text row (state, questions), not both")
     has_images = isinstance(row, dict) and row.get("images") not in (None, [], ())
@@ -135,7 +162,7 @@ def check_row(row: Any, vocab_size: int, max_tokens: int, tokenizer: Any = None,
         refs = images.prepare(row["images"]) if has_images else None
         if isinstance(row, dict) and "images" in row:
             row = {k: v for k, v in row.items() if k != "images"}
-    out = check_token_row(row, vocab_size, max_tokens)
+    out = check_token_row(row, vocab_size, max_tokens, as_array=as_array and not refs)
     if refs:
         from statecache.images import locate
 

@@ -236,7 +236,7 @@ def test_a_failure_while_computing_fails_only_that_group(engine, monkeypatch):
     real = eng.cache.row
 
     def row_or_fail(ids, state_len, *a, **kw):
-        if ids[:10] == S[:10]:
+        if list(ids[:10]) == S[:10]:  # ids: the engine passes an int64 array
             raise RuntimeError("boom")
         return real(ids, state_len, *a, **kw)
 
@@ -372,6 +372,29 @@ def test_rows_of_saved_states_run_batched(engine):
     solo = engine(batch=0)
     assert solo.cache.batch is None
     check(solo, rows, solo.answer(rows))
+
+
+def test_a_batched_hit_is_looked_up_once(engine, monkeypatch):
+    """The first batched call plans from the engine's own lookups (one per group) while the index is unchanged; a
+    lookup made before something changed the index (its version) is not used."""
+    eng = engine()
+    a, b = toks(300, 31), toks(200, 32)
+    eng.answer([row(a, 5, 1), row(b, 5, 2)])
+    ix, calls = eng.cache.index, []
+    real = ix.lookup
+    monkeypatch.setattr(ix, "lookup", lambda *x, **kw: calls.append(1) or real(*x, **kw))
+    rows = [row(a, 9, 3), row(b, 7, 4), row(a, 12, 5)]
+    res = eng.answer(rows)
+    check(eng, rows, res)
+    assert paths(res) == ["hit", "hit", "hit"] and len(calls) == 2  # one per state, none again in the batch
+    from statecache.batch import _plan
+
+    r = toks(6, 33)
+    ids, p = np.asarray(a + r), eng.cache.state_end(300)
+    best = real(ids, limit=p)
+    stale = (None, ix.version - 1)  # as if looked up before the index changed: looked up again
+    assert _plan(eng.cache, 0, ids, 300, [305], [4], eng.cache.batch, stale).best is best
+    assert _plan(eng.cache, 0, ids, 300, [305], [4], eng.cache.batch, (best, ix.version)).best is best
 
 
 def test_hits_answered_between_the_chunks_of_a_new_state(engine):

@@ -203,6 +203,25 @@ def test_group_ids_are_a_frozen_copy() -> None:
         c.group.ids[0] = 1
 
 
+def test_version_changes_with_anything_a_lookup_depends_on() -> None:
+    ix = CheckpointIndex(10**9, align=64)
+    a = toks(256)
+    g = ix.add_group(a, None, 10)
+    v = ix.version
+    c = ix.add_checkpoint(g, 128, None, 5)
+    assert ix.version > v
+    v = ix.version
+    ix.lookup(a, 256)
+    ix.evict()  # within budget: nothing dropped
+    assert ix.version == v
+    for change in (lambda: ix.touch(c), lambda: ix.add_checkpoint(g, 128, None, 5),  # a touch, a replacement
+                   lambda: ix.add_checkpoint(g, 192, None, 5), lambda: setattr(ix, "budget_bytes", 0) or ix.evict(),
+                   ix.clear):
+        v = ix.version
+        change()
+        assert ix.version > v
+
+
 def test_clear() -> None:
     ix = CheckpointIndex(10**9, align=64)
     a = toks(128)
@@ -292,6 +311,7 @@ class IndexVsModel(RuleBasedStateMachine):
                     best = c
         before = self.ix.lru_order()
         assert self.ix.lookup(ids, limit, route) is best
+        assert self.ix.lookup(ids.tolist(), limit, route) is best  # a list: the same answer (its own code path)
         assert self.ix.lru_order() == before
 
     @rule(ids=small_ids, limit=st.integers(-1, 11), route=st.none() | routes)

@@ -75,6 +75,22 @@ def test_numpy_ints_are_accepted():
 )
 def test_malformed_rows(row, expected):
     assert code(row) == expected
+    with pytest.raises(RowError) as e:  # the engine's form (ids as an int64 array) gives the same error
+        check_token_row(row, VOCAB, MAX, as_array=True)
+    assert e.value.code == expected
+
+
+def test_as_array_gives_the_same_row_as_a_read_only_int64_array():
+    np = pytest.importorskip("numpy")
+    for ids in ([1, 2, 3, 4, 5], (0, 1, 0, 1, 99), list(np.arange(1, 6)), [0, 1, 2, 3, 4]):
+        row = good(ids=ids)
+        plain, arr = check_token_row(row, VOCAB, MAX), check_token_row(row, VOCAB, MAX, as_array=True)
+        assert arr["ids"].dtype == np.int64 and not arr["ids"].flags.writeable
+        assert arr["ids"].tolist() == plain["ids"] and {**arr, "ids": plain["ids"]} == plain
+    with pytest.raises(RowError) as e:  # a bool among ids of 0 and 1 is found (bool is an int)
+        check_token_row(good(ids=[0, 1, False, 1, 0]), VOCAB, MAX, as_array=True)
+    assert e.value.code == "bad_type" and "ids[2]" in e.value.message
+    assert check_row(good(), VOCAB, MAX, as_array=True)["ids"].tolist() == [1, 2, 3, 4, 5]
 
 
 def test_message_names_the_place():
@@ -127,6 +143,8 @@ def test_valid_rows_survive_msgpack(row, data):
     row["nopts"] = data.draw(st.lists(st.integers(2, 26), min_size=len(row["slots"]), max_size=len(row["slots"])))
     wire = msgpack.unpackb(msgpack.packb(row), raw=False)
     assert check_token_row(wire, VOCAB, MAX) == row
+    arr = check_token_row(wire, VOCAB, MAX, as_array=True)
+    assert arr["ids"].tolist() == row["ids"] and {**arr, "ids": row["ids"]} == row
 
 
 junk = st.recursive(
@@ -144,5 +162,9 @@ def test_junk_never_crashes(row):
         out = check_token_row(row, VOCAB, MAX)
     except RowError as e:
         assert e.code and e.message
+        with pytest.raises(RowError) as e2:  # the engine's form refuses it the same way
+            check_token_row(row, VOCAB, MAX, as_array=True)
+        assert (e2.value.code, e2.value.message) == (e.code, e.message)
     else:
         assert set(out) == {"ids", "state_len", "slots", "nopts"}
+        assert check_token_row(row, VOCAB, MAX, as_array=True)["ids"].tolist() == out["ids"]
