@@ -338,7 +338,7 @@ def case(cache, states, question, n: int, args, dev):
     if len(ok) < n:  # batched rows fell back (None): the reason is in the runner's failures / the log
         res["batch_failures"] = cache.batch.failures[-3:]
     runner = cache.batch
-    key = runner.shape(n, sum(len(r[0]) - r[1] for r in rows), max(len(r[0]) - r[1] for r in rows))
+    key = runner.shape(n, sum(len(r[0]) - r[1] for r in rows))
     res["graph_key"] = list(key) if key else None
     g = runner.graphs.get(key) if key else None
     if g is not None and dev.type == "cuda":

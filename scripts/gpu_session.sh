@@ -9,6 +9,7 @@
 #   load        bench/load_bench.py, random 9B checkpoint, 16 and 64 agents through the worker, score, transformers (540)
 #   load16      the same with 16 agents only, no score or transformers (360: a cold start alone took 229 s)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
+#   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
 #   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (280)
 #   images      bench/gpu_images.py --compile, 9B with its vision tower (200)
 #   agree       bench/gpu_agree32.py, 40 rows against float32 and transformers (240)
@@ -39,6 +40,8 @@ run_step() {
                   --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         profile) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s 5 >"$dir/log.txt" 2>&1 ;;
+        batch) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts 1,4,16,64 \
+                  >"$dir/log.txt" 2>&1 ;;
         specialists) timeout "$limit" python3 bench/gpu_specialists.py --out "$dir" --shape 9B --routes 4 --rank 16 \
                   >"$dir/log.txt" 2>&1 ;;
         images) timeout "$limit" python3 bench/gpu_images.py --compile --out "$dir" >"$dir/log.txt" 2>&1 ;;
@@ -54,7 +57,7 @@ run_step() {
     grep -hE '^\[(load|agree)\]|ratio|hit|passed|failed|Error' "$dir/log.txt" 2>/dev/null | cut -c1-400 | tail -n 12
 }
 
-declare -A LIMIT=([load]=540 [load16]=360 [profile]=390 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([load]=540 [load16]=360 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     name=${arg%%:*}
     limit=${LIMIT[$name]:-300}

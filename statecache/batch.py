@@ -15,8 +15,9 @@ plants checkpoints with them, and asks the router once the question has run. A r
 route it ran with (a misprediction) keeps nothing of that run and runs again through `StateCache.row` with the
 router's route (or, inside a row's `between` hook, is given back as None).
 
-`BatchRunner.forward(pieces)` runs one packed forward (on CUDA one replay of the graph of its (batch-size, total-token,
-longest-piece) buckets, with every per-sequence number in the graph's input buffer; the same code eagerly elsewhere)
+`BatchRunner.forward(pieces)` runs one packed forward (on CUDA one replay of the graph of its (batch-size, total-token)
+buckets, with or without snapshots, every per-sequence number in the graph's input buffer: the kernels loop over each
+sequence's own length, so no graph depends on the longest piece; the same code eagerly elsewhere)
 and returns the answers at each piece's slots; after it, the batch slots hold each row's state at its piece's end
 and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `precapture` captures every bucket's graph
 at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
@@ -51,9 +52,11 @@ from .runner import bucket
 from .specialists.lora import TokenRoutes
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch-size buckets (sequences per graph)
-TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # packed-token buckets
-PIECES = (64, 128, 256, 512)  # per-sequence token buckets: a 64-token piece is one delta-rule launch, 128 two, ...
-MAX_PIECE = PIECES[-1]  # the most tokens one sequence of a batch may have
+# packed-token buckets: a forward's matmuls run on its bucket's tokens, so past a few hundred tokens (where the
+# weight reads stop dominating) padding costs time; steps of at most 1.5x
+TOKENS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+CHUNK = 64  # the delta rule's chunk: snapshots sit at multiples of it from a piece's start
+MAX_PIECE = 512  # the most tokens one sequence of a batch may have
 SNAPS_PER_PIECE = 3  # the most snapshots inside one piece (gdn_triton.delta_batch's limit)
 MAX_SNAPS = 16  # snapshot slots of a forward (each holds one GDN state of every layer: 48 MiB at the 9B shape)
 
@@ -73,7 +76,7 @@ class Piece:
     slots: tuple = ()
     nopts: tuple = ()
     route: int = 0  # specialists: the route its adapter layers run with
-    snaps: tuple = ()  # positions in (s, e), multiples of 64 from s, where its state is also kept (`snapshot`)
+    snaps: tuple = ()  # positions in (s, e), multiples of CHUNK from s, where its state is also kept (`snapshot`)
 
 
 class NotBatched(Exception):
@@ -268,7 +271,6 @@ class BatchRunner:
         if self.use_graphs and not self.bk.triton:
             raise ValueError("batch graphs need the Triton batch kernels (the eager ones read host lengths)")
         self.max_slots, self.max_piece = max_slots, max_piece
-        self.pieces = tuple(x for x in PIECES if x < max_piece) + (max_piece,)
         self.batches = tuple(b for b in batches if b <= max_batch)
         self.max_batch = self.batches[-1]
         top = max_tokens or self.max_batch * max_piece
@@ -288,41 +290,42 @@ class BatchRunner:
 
     # ---- shapes ---------------------------------------------------------------------------------------------------
 
-    def shape(self, B: int, T: int, L: int) -> tuple[int, int, int] | None:
-        """(batch bucket, token bucket, per-sequence bucket) of B sequences of T tokens in all, the longest L; None
-        when too many."""
+    def shape(self, B: int, T: int, snaps: bool = False) -> tuple[int, int, bool] | None:
+        """(batch bucket, token bucket, keeps snapshots) of B sequences of T tokens in all; None when too many."""
         if not self.pad:
-            return (B, T, L) if B <= self.max_batch and T <= self.max_tokens and L <= self.max_piece else None
-        Bb, Tb, Lb = bucket(B, self.batches), bucket(T, self.tokens), bucket(L, self.pieces)
-        return None if Bb is None or Tb is None or Lb is None else (Bb, Tb, Lb)
+            return (B, T, snaps) if B <= self.max_batch and T <= self.max_tokens else None
+        Bb, Tb = bucket(B, self.batches), bucket(T, self.tokens)
+        return None if Bb is None or Tb is None else (Bb, Tb, snaps)
 
-    def keys(self) -> list[tuple[int, int, int]]:
-        """Every (batch, tokens, per-sequence) bucket a forward can take."""
+    def keys(self) -> list[tuple[int, int, bool]]:
+        """Every (batch, tokens, snapshots) bucket a forward can take: at least a token per sequence, at most a
+        longest piece each; snapshots where a piece can be longer than one CHUNK."""
         out = []
         for B in self.batches:
+            top = max(bucket(B * self.max_piece, self.tokens) or self.max_tokens, self.tokens[0])
             for T in self.tokens:
-                for L in self.pieces:
-                    if (L == self.pieces[0] or L <= T) and T <= max(bucket(B * L, self.tokens) or 0, self.tokens[0]):
-                        out.append((B, T, L))
+                if B <= T <= top or T == self.tokens[0]:
+                    out.append((B, T, False))
+                    if self.max_snaps and T > CHUNK and B <= T:
+                        out.append((B, T, True))
         return out
+
+    def _lmax(self, Tb: int) -> int:
+        """The longest piece a graph of Tb tokens is built for (sizes the kernels' per-sequence blocks)."""
+        return min(Tb, self.max_piece)
 
     # ---- the forward ----------------------------------------------------------------------------------------------
 
-    def snapping(self, L: int) -> bool:
-        """Do forwards whose longest piece is L tokens keep snapshots? (A position inside a piece is past its first
-        64 tokens; the graphs of 64-token pieces, the hits', carry none of this.)"""
-        return self.max_snaps > 0 and L > PIECES[0]
-
-    def _sizes(self, Bb: int, Tb: int, L: int) -> list[int]:
+    def _sizes(self, Bb: int, Tb: int, snaps: bool) -> list[int]:
         """The parts of a forward's input buffer (see _Graph.inp)."""
         S, A = self.max_slots, self.n_attn
-        snaps = [Bb * SNAPS_PER_PIECE * 2, self.max_snaps * self.tail_rows] if self.snapping(L) else []
-        return [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb] + ([Tb, Tb] if self.spec else []) + snaps
+        kept = [Bb * SNAPS_PER_PIECE * 2, self.max_snaps * self.tail_rows] if snaps else []
+        return [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb] + ([Tb, Tb] if self.spec else []) + kept
 
-    def _views(self, inp: torch.Tensor, Bb: int, Tb: int, L: int) -> _Graph:
-        ids, pos, slots, nopts, cu, starts, off, *rest = torch.split(inp, self._sizes(Bb, Tb, L))
+    def _views(self, inp: torch.Tensor, Bb: int, Tb: int, snaps: bool) -> _Graph:
+        ids, pos, slots, nopts, cu, starts, off, *rest = torch.split(inp, self._sizes(Bb, Tb, snaps))
         routed = rest[:2] if self.spec else [None, None]
-        at, rows = (rest[-2].view(Bb, SNAPS_PER_PIECE, 2), rest[-1]) if self.snapping(L) else (None, None)
+        at, rows = (rest[-2].view(Bb, SNAPS_PER_PIECE, 2), rest[-1]) if snaps else (None, None)
         return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(self.n_attn, Bb, 2), *routed, at, rows)
 
     def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens, snap_host=None) -> torch.Tensor:
@@ -336,11 +339,11 @@ class BatchRunner:
             self.st.F[:Bb].copy_(sums.index_add_(0, g.seq, lora.f)[:Bb])
         return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [Bb S, n_letters]
 
-    def _pack(self, pieces: list[Piece], Bb: int, Tb: int, L: int) -> tuple[torch.Tensor, list | None]:
+    def _pack(self, pieces: list[Piece], Bb: int, Tb: int, snaps: bool) -> tuple[torch.Tensor, list | None]:
         """The host input buffer of these pieces (see _Graph.inp), filled through numpy (a few us a piece), and the
         snapshots' host positions (Snaps.host; None when this shape keeps none)."""
         S, A = self.max_slots, self.n_attn
-        sizes = self._sizes(Bb, Tb, L)
+        sizes = self._sizes(Bb, Tb, snaps)
         buf = np.zeros(sum(sizes), dtype=np.int64)
         o_pos, o_slots = Tb, 2 * Tb
         o_nopts = o_slots + Bb * S
@@ -376,16 +379,12 @@ class BatchRunner:
         buf[o_cu + len(pieces) + 1 : o_st] = t
         if (off % 16).any():  # the span kernel loads cached keys as 16-element vectors (span_triton.attend_batch)
             raise NotBatched("a group's K/V is not aligned to 16 elements")
-        host = self._pack_snaps(pieces, buf, sizes, Bb, L)
+        host = self._pack_snaps(pieces, buf, sizes, Bb) if snaps else None
         return torch.from_numpy(buf), host
 
-    def _pack_snaps(self, pieces: list[Piece], buf, sizes: list[int], Bb: int, L: int) -> list | None:
+    def _pack_snaps(self, pieces: list[Piece], buf, sizes: list[int], Bb: int) -> list:
         """Each piece's snapshots into the buffer's last two parts (Snaps.at, Snaps.rows), slots in order."""
         wanted = sum(len(pc.snaps) for pc in pieces)
-        if not self.snapping(L):
-            if wanted:
-                raise NotBatched(f"pieces of at most {L} tokens keep no snapshots")
-            return None
         if wanted > self.max_snaps:
             raise NotBatched(f"{wanted} snapshots exceed the {self.max_snaps} slots of a forward")
         o_rows = len(buf) - sizes[-1]
@@ -398,8 +397,8 @@ class BatchRunner:
                 raise NotBatched(f"a piece keeps at most {SNAPS_PER_PIECE} snapshots")
             for m, e in enumerate(pc.snaps):
                 c = e - pc.s
-                if not (PIECES[0] <= c < pc.e - pc.s and c % PIECES[0] == 0):
-                    raise NotBatched(f"snapshot at {e} is not a multiple of {PIECES[0]} inside [{pc.s}, {pc.e})")
+                if not (CHUNK <= c < pc.e - pc.s and c % CHUNK == 0):
+                    raise NotBatched(f"snapshot at {e} is not a multiple of {CHUNK} inside [{pc.s}, {pc.e})")
                 at[b, m] = (c, slot)
                 buf[o_rows + slot * W1 : o_rows + (slot + 1) * W1] = np.arange(t + c - W1, t + c)
                 mine.append((c, slot))
@@ -408,23 +407,23 @@ class BatchRunner:
             t += pc.e - pc.s
         return host
 
-    def _capture(self, Bb: int, Tb: int, Lb: int) -> _Graph | None:
-        inp = torch.zeros(sum(self._sizes(Bb, Tb, Lb)), dtype=torch.long)
-        g = self._views(inp.to(self.device), Bb, Tb, Lb)  # all sequences empty: the warm-up runs touch no slot
-        got = try_capture(lambda: self._forward(g, Bb, Tb, Lb, [], None), self.pool, self.stats, self.failures,
-                          f"batch ({Bb}, {Tb}, {Lb})")
+    def _capture(self, Bb: int, Tb: int, snaps: bool) -> _Graph | None:
+        inp = torch.zeros(sum(self._sizes(Bb, Tb, snaps)), dtype=torch.long)
+        g = self._views(inp.to(self.device), Bb, Tb, snaps)  # all sequences empty: the warm-up runs touch no slot
+        got = try_capture(lambda: self._forward(g, Bb, Tb, self._lmax(Tb), [], None), self.pool, self.stats,
+                          self.failures, f"batch ({Bb}, {Tb}{', snapshots' if snaps else ''})")
         if got is None:
             return None
         g.graph, g.out = got
         g.staging = Staging(g.inp)
         return g
 
-    def ensure(self, B: int, T: int, L: int) -> tuple[int, int, int]:
-        """The shape of B sequences of T tokens (the longest L), its graph captured (graphs); NotBatched if there
-        is none."""
-        key = self.shape(B, T, L)
+    def ensure(self, B: int, T: int, snaps: bool = False) -> tuple[int, int, bool]:
+        """The shape of B sequences of T tokens (keeping snapshots or not), its graph captured (graphs); NotBatched
+        if there is none."""
+        key = self.shape(B, T, snaps)
         if key is None:
-            raise NotBatched(f"{B} sequences of {T} tokens (the longest {L}) exceed the largest batch shape")
+            raise NotBatched(f"{B} sequences of {T} tokens exceed the largest batch shape")
         if self.use_graphs:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(*key)
@@ -449,17 +448,18 @@ class BatchRunner:
             if pc.s and not (pc.K.is_contiguous() and pc.V.is_contiguous() and pc.K.shape[1] >= pc.s):
                 raise NotBatched("a piece's K/V must be contiguous and hold [0, s)")
         B, T, L = len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces)
-        Bb, Tb, Lb = self.ensure(B, T, L)
-        inp, snap_host = self._pack(pieces, Bb, Tb, Lb)
+        key = self.ensure(B, T, any(pc.snaps for pc in pieces))
+        Bb, Tb, snaps = key
+        inp, snap_host = self._pack(pieces, Bb, Tb, snaps)
         self.stats["forwards"] += 1
         self.stats["sequences"] += B
         if not self.use_graphs:
-            g = self._views(inp.to(self.device), Bb, Tb, Lb)
+            g = self._views(inp.to(self.device), Bb, Tb, snaps)
             with torch.no_grad():
-                out = self._forward(g, Bb, Tb, Lb, [(pc.K, pc.V) for pc in pieces], [pc.e - pc.s for pc in pieces]
+                out = self._forward(g, Bb, Tb, L, [(pc.K, pc.V) for pc in pieces], [pc.e - pc.s for pc in pieces]
                                     + [0] * (Bb - B), snap_host)
         else:
-            g = self.graphs[(Bb, Tb, Lb)]
+            g = self.graphs[key]
             self._send(g, inp)
             g.graph.replay()
             out = g.out
@@ -598,7 +598,7 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
                             tuple(r.slots) if ask else (), tuple(r.nopts) if ask else (), r.route,
                             r.inside if ask else ()))
     try:
-        runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces))
+        runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), any(pc.snaps for pc in pieces))
         runner.load(pieces)
         out = runner.forward(pieces)
         probs = runner.read(out) if any(r.todo[0][2] == QUESTION for r in rows) else None  # waits for the GPU

@@ -24,7 +24,7 @@ BLOCK_ROWS = 64  # conv_batch: a program runs its sequence's rows in blocks of t
 
 
 @triton.jit
-def _conv_chunk_kernel(x, sx, w, tail, y, sy, real_ptr, L, C, cu_ptr, s_tail, n_blocks,
+def _conv_chunk_kernel(x, sx, w, tail, y, sy, real_ptr, L, C, cu_ptr, s_tail,
                        W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, VARLEN: tl.constexpr):
     c = tl.program_id(0) * BC + tl.arange(0, BC)  # [BC] channels
     cm = c < C
@@ -38,7 +38,7 @@ def _conv_chunk_kernel(x, sx, w, tail, y, sy, real_ptr, L, C, cu_ptr, s_tail, n_
         tail += b * s_tail
     else:
         real = tl.load(real_ptr)
-    for blk in range(0, n_blocks):  # blocks of BT rows, in order (only the first reads the old tail)
+    for blk in range(0, tl.cdiv(L, BT)):  # blocks of BT rows, in order (only the first reads the old tail)
         t = blk * BT + tl.arange(0, BT)  # [BT] chunk rows
         tm = t < L
         acc = tl.zeros([BT, BC], dtype=tl.float32)
@@ -74,7 +74,7 @@ def conv_chunk(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor, real: torch
     y = torch.empty(L, C, dtype=x.dtype, device=x.device)
     BT = max(16, triton.next_power_of_2(L))
     grid = (triton.cdiv(C, block_c),)
-    _conv_chunk_kernel[grid](x, x.stride(0), w, tail, y, y.stride(0), real, L, C, real, 0, 1,
+    _conv_chunk_kernel[grid](x, x.stride(0), w, tail, y, y.stride(0), real, L, C, real, 0,
                              W=W, BT=BT, BC=block_c, BW=max(2, triton.next_power_of_2(W - 1)), VARLEN=False)
     return y
 
@@ -92,7 +92,6 @@ def conv_batch(x: torch.Tensor, w: torch.Tensor, tails: torch.Tensor, cu: torch.
     y = torch.zeros(T, C, dtype=x.dtype, device=x.device)
     BT = max(16, triton.next_power_of_2(min(max(lmax, 1), BLOCK_ROWS)))
     _conv_chunk_kernel[(triton.cdiv(C, block_c), B)](x, x.stride(0), w, tails, y, y.stride(0), cu, 0, C, cu,
-                                                     tails.stride(0), triton.cdiv(max(lmax, 1), BT), W=W, BT=BT,
-                                                     BC=block_c,
+                                                     tails.stride(0), W=W, BT=BT, BC=block_c,
                                                      BW=max(2, triton.next_power_of_2(W - 1)), VARLEN=True)
     return y

@@ -66,42 +66,67 @@ def _lower_left(t, b: tl.constexpr):
     return (bi[:, None] == bi[None, :] + 1) & (bi[None, :] % 2 == 0)
 
 
-@triton.jit(do_not_specialize=["L", "piece"])
+@triton.jit(do_not_specialize=["L"])
 def _delta_chunk_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr,
     L,
     sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
     sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d,
-    scale, cu_ptr, ss_b, piece, snap_ptr, at_ptr, ss_n,
+    scale, cu_ptr, ss_b, snap_ptr, at_ptr, ss_n,
     GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
     BV: tl.constexpr, DOT: tl.constexpr, RAW_QK: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
     NSNAP: tl.constexpr,
 ):
-    if VARLEN:  # sequence b of a packed batch: its tokens [cu[b] + piece, min(cu[b + 1], ... + BT)), its own state
+    if VARLEN:  # sequence b of a packed batch: its tokens [cu[b], cu[b + 1]) in chunks of BT, its own state
         b = tl.program_id(2)
-        bos = tl.load(cu_ptr + b) + piece
-        L = tl.minimum(tl.load(cu_ptr + b + 1) - bos, BT)
-        if L <= 0:  # an empty sequence (a graph's padding) or a piece past this sequence's end: nothing to do
-            return
-        q_ptr += bos * sq_t
-        k_ptr += bos * sk_t
-        v_ptr += bos * sv_t
-        g_ptr += bos * sg_t
-        b_ptr += bos * sb_t
-        o_ptr += bos * so_t
+        bos = tl.load(cu_ptr + b)
+        n = tl.load(cu_ptr + b + 1) - bos  # 0 for an empty sequence (a graph's padding): nothing to do
         s_ptr += b * ss_b
+        for piece in range(0, n, BT):  # the chunks in order; this program owns its slice of the state throughout
+            Lc = tl.minimum(n - piece, BT)
+            t0 = bos + piece
+            # snapshots (NSNAP > 0): the state after the sequence's first at[b, m, 0] tokens also goes to slot
+            # at[b, m, 1] of snap; a full chunk ending there writes it
+            hit0 = Lc < 0
+            hit1 = Lc < 0
+            hit2 = Lc < 0
+            snap0 = snap_ptr
+            snap1 = snap_ptr
+            snap2 = snap_ptr
+            if NSNAP > 0:
+                hit0 = (tl.load(at_ptr + b * 2 * NSNAP) == piece + Lc) & (Lc == BT)
+                snap0 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 1), 0) * ss_n
+            if NSNAP > 1:
+                hit1 = (tl.load(at_ptr + b * 2 * NSNAP + 2) == piece + Lc) & (Lc == BT)
+                snap1 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 3), 0) * ss_n
+            if NSNAP > 2:
+                hit2 = (tl.load(at_ptr + b * 2 * NSNAP + 4) == piece + Lc) & (Lc == BT)
+                snap2 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 5), 0) * ss_n
+            _delta_chunk(q_ptr + t0 * sq_t, k_ptr + t0 * sk_t, v_ptr + t0 * sv_t, g_ptr + t0 * sg_t, b_ptr + t0 * sb_t,
+                         s_ptr, o_ptr + t0 * so_t, Lc, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
+                         sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale,
+                         snap0, hit0, snap1, hit1, snap2, hit2,
+                         GROUP, DK, BK, BT, LOG_BT, BV, DOT, RAW_QK, STORE, NSNAP)
+            tl.debug_barrier()  # this chunk's state writes before the next chunk's reads (other threads)
+    else:
+        no = L < 0
+        _delta_chunk(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, L, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d,
+                     sv_t, sv_h, sv_d, sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale,
+                     s_ptr, no, s_ptr, no, s_ptr, no, GROUP, DK, BK, BT, LOG_BT, BV, DOT, RAW_QK, STORE, 0)
+
+
+@triton.jit
+def _delta_chunk(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, L,
+    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
+    sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale,
+    snap0, hit0, snap1, hit1, snap2, hit2,
+    GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
+    BV: tl.constexpr, DOT: tl.constexpr, RAW_QK: tl.constexpr, STORE: tl.constexpr, NSNAP: tl.constexpr,
+):
+    """One chunk of L <= BT tokens at q_ptr... continuing the state at s_ptr (see the module docstring); with
+    NSNAP, the new state also goes to snapm where hitm."""
     h = tl.program_id(0)  # value head
-    # snapshots (NSNAP > 0, packed sequences): sequence b's state after its first at[b, m, 0] tokens goes to slot
-    # at[b, m, 1] of snap too; this launch's chunk ends at piece + L, so a full chunk ending there writes it
-    if NSNAP > 0:
-        hit0 = (tl.load(at_ptr + b * 2 * NSNAP) == piece + L) & (L == BT)
-        snap0 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 1), 0) * ss_n
-    if NSNAP > 1:
-        hit1 = (tl.load(at_ptr + b * 2 * NSNAP + 2) == piece + L) & (L == BT)
-        snap1 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 3), 0) * ss_n
-    if NSNAP > 2:
-        hit2 = (tl.load(at_ptr + b * 2 * NSNAP + 4) == piece + L) & (L == BT)
-        snap2 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 5), 0) * ss_n
     hk = h // GROUP  # its key head
     t = tl.arange(0, BT)  # [T] token rows
     ck = tl.arange(0, BK)  # [BK] key columns of one slice
@@ -213,7 +238,7 @@ def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     _delta_chunk_kernel[(Hv, Dv // BV)](
         q, k, v, g, beta, S, o, L,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride(), *o.stride(),
-        Dk**-0.5, S, 0, 0, S, S, 0,
+        Dk**-0.5, S, 0, S, S, 0,
         GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BV=BV, DOT=dot_precision,
         RAW_QK=q.is_cuda and q.element_size() == 2, STORE=store_state, VARLEN=False, NSNAP=0,
         num_warps=num_warps,
@@ -249,14 +274,13 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         assert snap.dtype == torch.float32 and snap.shape[1:] == S.shape[1:] and snap.stride()[1:] == S.stride()[1:]
         assert snap_at.shape == (B, nsnap, 2) and 1 <= nsnap <= 3 and snap_at.is_contiguous()
     o = torch.zeros((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    for piece in range(0, max(lmax, 1), BT):
-        _delta_chunk_kernel[(Hv, Dv // BV, B)](
-            q, k, v, g, beta, S, o, BT,
-            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride()[1:], *o.stride(),
-            Dk**-0.5, cu, S.stride(0), piece, S if snap is None else snap, cu if snap_at is None else snap_at,
-            0 if snap is None else snap.stride(0),
-            GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BV=BV, DOT=dot_precision,
-            RAW_QK=q.is_cuda and q.element_size() == 2, STORE=True, VARLEN=True, NSNAP=nsnap,
-            num_warps=num_warps,
-        )
+    _delta_chunk_kernel[(Hv, Dv // BV, B)](
+        q, k, v, g, beta, S, o, BT,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride()[1:], *o.stride(),
+        Dk**-0.5, cu, S.stride(0), S if snap is None else snap, cu if snap_at is None else snap_at,
+        0 if snap is None else snap.stride(0),
+        GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BV=BV, DOT=dot_precision,
+        RAW_QK=q.is_cuda and q.element_size() == 2, STORE=True, VARLEN=True, NSNAP=nsnap,
+        num_warps=num_warps,
+    )
     return o

@@ -293,8 +293,8 @@ def test_graph_buckets_and_a_failed_capture(monkeypatch):
     ans = cache.rows_batched(rows)
     assert all(a is not None and a.path == "hit" for a in ans)
     check(cache, rows, ans)
-    assert runner.stats["capture_failed"] == 1 and runner.graphs[(4, 128, 64)] is None
-    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(1, 64, 64), (2, 64, 64)]
+    assert runner.stats["capture_failed"] == 1 and runner.graphs[(4, 128, False)] is None
+    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(1, 64, False), (2, 64, False)]
 
 
 def test_graphs_plant_a_grown_state_inside_its_piece(monkeypatch):
@@ -316,7 +316,7 @@ def test_graphs_plant_a_grown_state_inside_its_piece(monkeypatch):
     ans = cache.rows_batched(rows)
     check(cache, rows, ans)
     assert [(a.path, a.reused) for a in ans] == [("partial", 256), ("hit", 192)]
-    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(2, 128, 128)]
+    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(2, 128, True)]
     later = row(grown, 9, 4)
     hit = cache.rows_batched([later])[0]
     assert hit.path == "hit" and hit.reused == 320

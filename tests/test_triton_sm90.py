@@ -32,17 +32,17 @@ def _mods():
 def delta_kernel(varlen, nsnap=0):
     names = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "s_ptr", "o_ptr", "L", "sq_t", "sq_h", "sq_d", "sk_t",
              "sk_h", "sk_d", "sv_t", "sv_h", "sv_d", "sg_t", "sg_h", "sb_t", "sb_h", "ss_h", "ss_k", "ss_v", "so_t",
-             "so_h", "so_d", "scale", "cu_ptr", "ss_b", "piece", "snap_ptr", "at_ptr", "ss_n"]
+             "so_h", "so_d", "scale", "cu_ptr", "ss_b", "snap_ptr", "at_ptr", "ss_n"]
     types = (["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "i32"] + ["i32"] * 19
-             + ["fp32", "*i64", "i32", "i32", "*fp32", "*i64", "i32"])
+             + ["fp32", "*i64", "i32", "*fp32", "*i64", "i32"])
     consts = dict(GROUP=2, DK=128, BK=64, BT=64, LOG_BT=6, BV=32, DOT="tf32", RAW_QK=True, STORE=True, VARLEN=varlen,
                   NSNAP=nsnap)
     assert _compile(_mods()[0]._delta_chunk_kernel, names, types, consts).asm["ptx"]
 
 
 def conv_kernel(varlen):
-    names = ["x", "sx", "w", "tail", "y", "sy", "real_ptr", "L", "C", "cu_ptr", "s_tail", "n_blocks"]
-    types = ["*bf16", "i32", "*bf16", "*bf16", "*bf16", "i32", "*i64", "i32", "i32", "*i64", "i32", "i32"]
+    names = ["x", "sx", "w", "tail", "y", "sy", "real_ptr", "L", "C", "cu_ptr", "s_tail"]
+    types = ["*bf16", "i32", "*bf16", "*bf16", "*bf16", "i32", "*i64", "i32", "i32", "*i64", "i32"]
     bt = 64 if varlen else 128  # conv_batch runs blocks of BLOCK_ROWS; conv_chunk up to MAX_ROWS rows at once
     assert _compile(_mods()[1]._conv_chunk_kernel, names, types, dict(W=4, BT=bt, BC=64, BW=4, VARLEN=varlen)).asm["ptx"]
 
