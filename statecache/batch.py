@@ -203,7 +203,8 @@ class BatchKernels:
 
     def attend(self, a, q, k, v, cu, starts, kv: BatchKV, lmax, scale, lens):
         if self.triton:
-            return self._span(q, k, v, cu, starts, kv.off[a], lmax, scale, max_keys=self.max_keys, **self.span_kw)
+            kw = {"split_lmax": CHUNK, **self.span_kw}  # key splits sized for hits' questions, whatever the graph
+            return self._span(q, k, v, cu, starts, kv.off[a], lmax, scale, max_keys=self.max_keys, **kw)
         o = torch.zeros_like(q)
         for b, (s, n) in enumerate(self._spans(lens)):
             if not n:

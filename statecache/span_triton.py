@@ -284,13 +284,15 @@ def attend_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.
 def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, starts: torch.Tensor,
                  off: torch.Tensor, lmax: int, scale: float, *, max_keys: int = 8192, block_m: int = 64,
                  block_n: int = 32, num_warps: int = 4, num_stages: int = 2, n_splits: int | None = None,
-                 programs_per_sm: float = 2.0, min_split_keys: int = 256) -> torch.Tensor:
+                 programs_per_sm: float = 2.0, min_split_keys: int = 256, split_lmax: int | None = None) -> torch.Tensor:
     """attend_span for B packed sequences. q [T, Hq, D]; k, v [T, Hkv, D] contiguous: the chunk's own keys and values
     (sequence b: rows [cu[b], cu[b + 1]), at most lmax, at positions starts[b] + i); off [B, 2] int64: element
     offsets from k / v of sequence b's cached keys / values of [0, starts[b]) (a buffer with k's row and head
     strides, anywhere in memory: a group's K[a]; every offset a multiple of 16, as any layer of a tensor the
     allocator made is: the kernel loads 16-element vectors); cu [B + 1], starts [B] long on the device -> o [T, Hq, D],
-    zero for tokens of no sequence. max_keys (the longest span any sequence may have) sizes the split rule; graph-safe."""
+    zero for tokens of no sequence. max_keys (the longest span any sequence may have) and split_lmax (the sequence
+length to size the key splits for, default lmax: a graph built for long pieces but mostly replayed with short ones
+keeps the short ones' splits) size the split rule; graph-safe."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     B = starts.shape[0]
@@ -301,7 +303,8 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
     min_tiles = max(1, triton.cdiv(min_split_keys, block_n))
     if n_splits is None:
         sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
-        n_splits = split_count(max_keys, Hkv * B, Mb, block_m, block_n, min_tiles, sms, programs_per_sm)
+        rows = Mb if split_lmax is None else R * max(min(split_lmax, lmax), 1)
+        n_splits = split_count(max_keys, Hkv * B, rows, block_m, block_n, min_tiles, sms, programs_per_sm)
     o = torch.zeros(T, Hq, D, device=q.device, dtype=q.dtype)
     direct = n_splits == 1
     M_all = R * T
