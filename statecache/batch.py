@@ -24,8 +24,8 @@ at start-up. A group's K/V must stay alive until the forward that reads them is 
 
 A piece may also keep *snapshots*: its state at positions inside it (multiples of 64 tokens from its start, at
 most SNAPS_PER_PIECE), written to slots of `st.snap_S` / `st.snap_conv` (at most `max_snaps` per forward) by the
-delta-rule kernel as its chunk ends there and by a gather of the conv inputs; `snapshot` reads them. Only the
-graphs of pieces over 64 tokens carry this (a hit's question alone never needs it).
+delta-rule kernel as its chunk ends there and by a gather of the conv inputs; `snapshot` reads them. Only forwards
+that keep snapshots (graphs of their own, keyed so) run this (hits' questions alone never need it).
 
 `rows_batched` (behind statecache.cache.StateCache.rows_batched) turns cache rows into pieces: each row restores its
 deepest checkpoint. A row whose remaining state and question fit one piece (a state grown by an agent's action)
@@ -241,7 +241,7 @@ class _Graph:
     off: torch.Tensor  # [A, Bb, 2]
     rtok: torch.Tensor | None = None  # [Tb] specialists: each token's route (padding: 0, the trunk)
     seq: torch.Tensor | None = None  # [Tb] specialists: each token's sequence (padding: Bb, counted nowhere)
-    at: torch.Tensor | None = None  # [Bb, SNAPS_PER_PIECE, 2] snapshots (graphs of pieces over 64 tokens): Snaps.at
+    at: torch.Tensor | None = None  # [Bb, SNAPS_PER_PIECE, 2] snapshots (forwards that keep them): Snaps.at
     rows: torch.Tensor | None = None  # [max_snaps * (W - 1)]: Snaps.rows
     out: torch.Tensor | None = None  # [Bb S, n_letters]
     graph: "torch.cuda.CUDAGraph | None" = None
