@@ -122,28 +122,10 @@ class CheckpointIndex:
         """The deepest checkpoint with ``pos <= limit`` whose group's tokens equal ``ids[:pos]`` (and of ``route``
         when given); among several at that depth (other routes), the most recently used. Does not touch the LRU.
         The answer holds while ``version`` is unchanged (a caller may keep it that long instead of looking again)."""
-        if isinstance(ids, list):
-            return self._lookup_list(ids, limit, route)
-        arr = as_ids(ids)  # an int64 array: sampled with numpy, compared with the group's array (a memcmp)
-        top = min(int(limit), len(arr))
-        end = bisect.bisect_right(self._positions, top)
-        for k in reversed(self._positions[:end]):
-            cands = self._buckets.get((k, self._fingerprint(arr, k)))
-            if not cands:
-                continue
-            head = arr[:k]
-            best: Checkpoint | None = None
-            for c in cands:
-                if route is not None and c.route != route:
-                    continue
-                if (best is None or c.used > best.used) and np.array_equal(c.group.ids[:k], head):
-                    best = c
-            if best is not None:
-                return best
-        return None
-
-    def _lookup_list(self, row: list, limit: int, route: int | None) -> Checkpoint | None:
-        """`lookup` of a list of ints: sampled and compared as Python lists (no conversion)."""
+        if isinstance(ids, list):  # sampled and compared as Python lists (no conversion)
+            row, same = ids, lambda c, k, head: _head(c.group.tokens, k) == head
+        else:  # an int64 array: sampled with numpy, compared with the group's array (a memcmp)
+            row, same = as_ids(ids), lambda c, k, head: np.array_equal(c.group.ids[:k], head)
         top = min(int(limit), len(row))
         end = bisect.bisect_right(self._positions, top)
         for k in reversed(self._positions[:end]):
@@ -155,7 +137,7 @@ class CheckpointIndex:
             for c in cands:
                 if route is not None and c.route != route:
                     continue
-                if (best is None or c.used > best.used) and _head(c.group.tokens, k) == head:
+                if (best is None or c.used > best.used) and same(c, k, head):
                     best = c
             if best is not None:
                 return best
