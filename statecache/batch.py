@@ -34,8 +34,9 @@ the hits. Otherwise its remaining chunks (those ending at checkpoint positions, 
 MAX_PIECE tokens, then the question) run as steps, one packed forward per step for every row still going. Forwards
 split at the largest batch, the token bucket and the snapshot slots; a failing forward is halved until the failing
 row stands alone, and only that row is given back as None. A row that plants gets its own K/V of [0, p) up front
-(the restored prefix, then each step's chunk), so its next step reads them like any group's. It knows checkpoints' payload layout (conv, S[, feature sum]) and
-groups' (K, V, serial) as statecache.cache makes them; nothing of Redis, the memo or the engine's grouping.
+(the restored prefix, then each step's chunk), so its next step reads them like any group's. It knows checkpoints'
+payload layout (conv, S[, feature sum]) and groups' (K, V, serial) as statecache.cache makes them; nothing of
+Redis, the memo or the engine's grouping.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class BatchState:
 @dataclass
 class Snaps:
     """Where a forward keeps states inside its pieces: `at` [Bb, SNAPS_PER_PIECE, 2] long (sequence b's offset from
-    its start, a multiple of 64, or 0 for none; the snapshot slot), `rows` [slots * (W - 1)] long (the packed tokens
+    its start, a multiple of CHUNK, or 0 for none; the snapshot slot), `rows` [slots * (W - 1)] long (the packed tokens
     whose conv inputs make each slot's tail; unused slots read token 0), `host` (eager kernels: [(offset, slot)] per
     sequence)."""
 
@@ -282,7 +283,7 @@ class BatchRunner:
                              features=specialists is not None, snaps=self.max_snaps)
         self.n_attn = len(model.cfg.full_layers)
         self.tail_rows = model.cfg.linear_conv_kernel_dim - 1  # the inputs a conv tail holds
-        self.graphs: dict[tuple[int, int], _Graph | None] = {}
+        self.graphs: dict[tuple[int, int, bool], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.stats.update(forwards=0, sequences=0)

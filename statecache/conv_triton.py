@@ -82,8 +82,8 @@ def conv_chunk(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor, real: torch
 def conv_batch(x: torch.Tensor, w: torch.Tensor, tails: torch.Tensor, cu: torch.Tensor, lmax: int,
                block_c: int = 64) -> torch.Tensor:
     """conv_chunk for B packed sequences: x [T, C] (sequence b: rows [cu[b], cu[b + 1]), at most lmax of them, all
-    real, run in blocks of BLOCK_ROWS), tails [B, W - 1, C] (sequence b's saved inputs, updated in place), cu [B + 1] (long, on the
-    device) -> y [T, C]; rows of no sequence (past cu[B]) come out zero."""
+    real, run in blocks of BLOCK_ROWS), tails [B, W - 1, C] (sequence b's saved inputs, updated in place), cu [B + 1]
+    (long, on the device) -> y [T, C]; rows of no sequence (past cu[B]) come out zero."""
     T, C = x.shape
     W = w.shape[1]
     B = tails.shape[0]

@@ -40,9 +40,11 @@ Design:
   there is no host sync: the call can be captured in a CUDA graph.
 
 `delta_batch` runs the same kernel over the packed sequences of a batch (statecache.batch): a third grid axis over
-the sequences, each with its own tokens (cu_seqlens, on the device) and its own state.
+the sequences, each with its own tokens (cu_seqlens, on the device) and its own state; a program runs its
+sequence's chunks one after another (its slice of the state is its own throughout), and may also keep the state
+at chunk ends inside the sequence (snapshots).
 
-What it does not know: several chunks of one sequence in one launch (chain calls for more),
+What it does not know: several chunks of one sequence in one `delta_chunk` call (chain calls for more),
 initial-state-free starts (pass zeros), backward passes, gates > 0 (exp would overflow, as in the reference).
 Its speed and its precision with tf32 are only known from the GPU check (bench/gpu_check_gdn.py); the CPU tests
 run it in Triton's interpreter in float32.
@@ -87,21 +89,10 @@ def _delta_chunk_kernel(
             t0 = bos + piece
             # snapshots (NSNAP > 0): the state after the sequence's first at[b, m, 0] tokens also goes to slot
             # at[b, m, 1] of snap; a full chunk ending there writes it
-            hit0 = Lc < 0
-            hit1 = Lc < 0
-            hit2 = Lc < 0
-            snap0 = snap_ptr
-            snap1 = snap_ptr
-            snap2 = snap_ptr
-            if NSNAP > 0:
-                hit0 = (tl.load(at_ptr + b * 2 * NSNAP) == piece + Lc) & (Lc == BT)
-                snap0 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 1), 0) * ss_n
-            if NSNAP > 1:
-                hit1 = (tl.load(at_ptr + b * 2 * NSNAP + 2) == piece + Lc) & (Lc == BT)
-                snap1 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 3), 0) * ss_n
-            if NSNAP > 2:
-                hit2 = (tl.load(at_ptr + b * 2 * NSNAP + 4) == piece + Lc) & (Lc == BT)
-                snap2 = snap_ptr + tl.maximum(tl.load(at_ptr + b * 2 * NSNAP + 5), 0) * ss_n
+            at_b = at_ptr + b * 2 * NSNAP
+            snap0, hit0 = _snap_slot(at_b, 0, NSNAP, piece + Lc, Lc == BT, snap_ptr, ss_n)
+            snap1, hit1 = _snap_slot(at_b, 1, NSNAP, piece + Lc, Lc == BT, snap_ptr, ss_n)
+            snap2, hit2 = _snap_slot(at_b, 2, NSNAP, piece + Lc, Lc == BT, snap_ptr, ss_n)
             _delta_chunk(q_ptr + t0 * sq_t, k_ptr + t0 * sk_t, v_ptr + t0 * sv_t, g_ptr + t0 * sg_t, b_ptr + t0 * sb_t,
                          s_ptr, o_ptr + t0 * so_t, Lc, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
                          sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale,
@@ -113,6 +104,19 @@ def _delta_chunk_kernel(
         _delta_chunk(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, L, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d,
                      sv_t, sv_h, sv_d, sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale,
                      s_ptr, no, s_ptr, no, s_ptr, no, GROUP, DK, BK, BT, LOG_BT, BV, DOT, RAW_QK, STORE, 0)
+
+
+@triton.jit
+def _snap_slot(at_b, m: tl.constexpr, NSNAP: tl.constexpr, end, full, snap_ptr, ss_n):
+    """Snapshot m of a sequence (its row of `at` at at_b): (its slot's address, whether the chunk ending at `end`,
+    full or not, writes it); a snapshot past NSNAP never writes."""
+    if m < NSNAP:
+        hit = (tl.load(at_b + 2 * m) == end) & full
+        ptr = snap_ptr + tl.maximum(tl.load(at_b + 2 * m + 1), 0) * ss_n
+    else:
+        hit = end < 0
+        ptr = snap_ptr
+    return ptr, hit
 
 
 @triton.jit
@@ -196,14 +200,12 @@ def _delta_chunk(
             kw = kf * kw_scale[:, None]  # [T, BK]
             S = S * tl.exp2(g_last) + tl.dot(tl.trans(kw), u, input_precision=DOT)  # [BK, BV]
             tl.store(s_ptrs + c * BK * ss_k, S)
-            sn = h * ss_h + (c * BK + ck)[:, None] * ss_k + dv[None, :] * ss_v  # [BK, BV] within a snapshot slot
             if NSNAP > 0:
+                sn = h * ss_h + (c * BK + ck)[:, None] * ss_k + dv[None, :] * ss_v  # [BK, BV] within a slot
                 if hit0:
                     tl.store(snap0 + sn, S)
-            if NSNAP > 1:
                 if hit1:
                     tl.store(snap1 + sn, S)
-            if NSNAP > 2:
                 if hit2:
                     tl.store(snap2 + sn, S)
     q_rs = tl.rsqrt(q_ss + 1e-6) * scale  # [T]
@@ -253,8 +255,7 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """delta_chunk for B packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequence b: tokens
     [cu[b], cu[b + 1]), at most lmax of them, all real), S [B, Hv, Dk, Dv] float32 (sequence b's state, updated in
     place), cu [B + 1] long on the device -> o [T, Hv, Dv] (zero for tokens of no sequence). A grid axis runs over
-    the sequences; a sequence longer than MAX_TOKENS runs as consecutive launches of MAX_TOKENS-token pieces (the
-    launches order the state's update). Snapshots: with snap [N, Hv, Dk, Dv] float32 and snap_at [B, M, 2] long
+    the sequences; a program runs its sequence's MAX_TOKENS-token chunks in order, in one launch. Snapshots: with snap [N, Hv, Dk, Dv] float32 and snap_at [B, M, 2] long
     (M <= 3; sequence b's state after its first snap_at[b, m, 0] tokens, a multiple of MAX_TOKENS, is also written
     to snap[snap_at[b, m, 1]]; an offset no chunk ends at, e.g. 0, writes nothing). Graph-safe: nothing per
     sequence is read on the host."""

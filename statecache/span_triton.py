@@ -291,8 +291,8 @@ def attend_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
     strides, anywhere in memory: a group's K[a]; every offset a multiple of 16, as any layer of a tensor the
     allocator made is: the kernel loads 16-element vectors); cu [B + 1], starts [B] long on the device -> o [T, Hq, D],
     zero for tokens of no sequence. max_keys (the longest span any sequence may have) and split_lmax (the sequence
-length to size the key splits for, default lmax: a graph built for long pieces but mostly replayed with short ones
-keeps the short ones' splits) size the split rule; graph-safe."""
+    length to size the key splits for, default lmax: a graph built for long pieces but mostly replayed with short
+    ones keeps the short ones' splits) size the split rule; graph-safe."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     B = starts.shape[0]
