@@ -4,8 +4,9 @@ One row of a 4096-token state and a 64-token question:
 - plain: the lone row as one CUDA graph (the plain path's default on CUDA) and the same row packed, eager;
 - cold with planting: the packed forward that also leaves the row's checkpoints (statecache.plant: the delta rule
   split at the planned positions, conv tails, K/V copied out), planted into a StateCache as the engine does it;
-  the ratio to the plain row (the target: at most 1.05x the plain graph); then the same row as pieces of CUDA
-  graphs cut at the delta rules (statecache.plant.PlantGraphs, experimental), its time, answer and states;
+  the ratio to the plain row; then the same row and a 2432 + 64-token one through the planting graph
+  (statecache.plant.PlantGraph, the engine's form of a lone new state on CUDA): time against the plain graph of the
+  same row (the target: at most 1.05x), answer, states against the packed planting forward's, a hit from them;
 - the chunked cold row of the cached path (chunk graphs), for comparison, and its checkpoints against the planted
   ones: positions, fp32 states S, conv tails, K/V (max |diff| and max |diff| / max |value|);
 - a later hit from the planted state (a new 64-token question), its time and its answer against the plain forward
@@ -148,31 +149,53 @@ def bench(args):
         R["cold_plant_vs_plain_packed"], "x packed eager; checkpoints", sorted(c.pos for c in cache.index.lru_order()))
     save()
 
-    # the same as pieces of CUDA graphs cut at the delta rules (PlainPath(plant_graphs=True), experimental)
+    # the same row, and a 2.5k-token one, through the planting graph (statecache.plant.PlantGraph: the engine's form
+    # of a lone new state on CUDA), against the plain graph of the same row
     try:
-        pgp = PlainPath(m16, fk, pool=runner.pool, plant_graphs=True)
+        pgp = PlainPath(m16, fk, pool=runner.pool)
         if pgp.planter is None:
-            raise RuntimeError("no CUDA graphs here: the pieces form needs them")
-        pcache = StateCache(runner, settings)
+            raise RuntimeError("no planting graphs here (no CUDA graphs, or fla's per-chunk states failed their check)")
+        R["planting_graph"] = {}
+        for n_state in (STATE, 2432):
+            ids_n = state[:n_state] + qs[0]
+            row_n = (ids_n, [len(ids_n) - 1], [4])
+            t = time.perf_counter()
+            ok = pgp.planter.capture(len(ids_n), 1, (4,))
+            cap_s = round(time.perf_counter() - t, 1)
+            if not ok:
+                raise RuntimeError(f"the planting graph did not capture: {pgp.failures[:2]}")
+            pcache = StateCache(runner, settings)
 
-        def cold_pieces():
-            pcache.clear()
-            return plant(pcache, pgp, [row], [STATE])
+            def cold_graph():
+                pcache.clear()
+                return plant(pcache, pgp, [row_n], [n_state])
 
-        t = time.perf_counter()
-        p_pieces = cold_pieces()[0]
-        R["pieces_capture_s"] = round(time.perf_counter() - t, 1)
-        R["pieces_graphs"] = {str(k): (len(v.graphs) if v else None) for k, v in pgp.planter.graphs.items()}
-        R["pieces_failures"] = pgp.failures[:3]
-        R["cold_pieces_ms"] = timed(cold_pieces)
-        R["cold_pieces_vs_plain_graph"] = round(R["cold_pieces_ms"] / R["plain_graph_ms"], 4)
-        R["cold_pieces_answer_vs_plain"] = maxdiff(p_pieces, p_plain)
-        R["states_pieces_vs_packed"] = compare_states(pcache, cache)
-        log("cold with planting, pieces of graphs", R["cold_pieces_ms"], "ms:", R["cold_pieces_vs_plain_graph"],
-            "x the plain graph; capture", R["pieces_capture_s"], "s; failures", R["pieces_failures"])
-        del pcache, pgp
+            p_graph = cold_graph()[0]
+            ref_n = pg.forward([row_n])[0]
+            e = {"tokens": len(ids_n), "capture_s": cap_s, "pieces": len(pgp.planter.graphs[pgp.planter.key(len(ids_n), 1, (4,))].graphs),
+                 "plain_graph_ms": timed(lambda: pg.forward([row_n])), "cold_graph_ms": timed(cold_graph),
+                 "answer_vs_plain": maxdiff(p_graph, ref_n)}
+            e["cold_graph_vs_plain_graph"] = round(e["cold_graph_ms"] / e["plain_graph_ms"], 4)
+            e["target_le_1.05x"] = e["cold_graph_vs_plain_graph"] <= 1.05
+            pk = StateCache(runner, settings)
+            plant(pk, pe, [row_n], [n_state])  # the packed planting forward's checkpoints (fp32 split delta rule)
+            e["states_vs_packed"] = compare_states(pcache, pk)
+            h_ids = state[:n_state] + qs[1]
+            h_ref = pg.forward([(h_ids, [len(h_ids) - 1], [4])])[0]
+            hg = pcache.row(h_ids, n_state, [len(h_ids) - 1], [4])
+            hp = pk.row(h_ids, n_state, [len(h_ids) - 1], [4])
+            e["hit_path"] = hg.path
+            e["hit_from_graph_state_vs_plain"] = maxdiff(hg.probs, h_ref)
+            e["hit_from_packed_state_vs_plain"] = maxdiff(hp.probs, h_ref)
+            R["planting_graph"][str(n_state)] = e
+            log("planting graph", n_state, "+ 64 tokens:", e["cold_graph_ms"], "ms,", e["cold_graph_vs_plain_graph"],
+                "x the plain graph", e["plain_graph_ms"], "ms; hit after it vs plain", e["hit_from_graph_state_vs_plain"])
+            save()
+            del pcache, pk
+        R["planting_graph_failures"] = pgp.failures[:3]
+        del pgp
     except Exception:  # noqa: BLE001
-        R.setdefault("errors", []).append("pieces: " + traceback.format_exc()[-2000:])
+        R.setdefault("errors", []).append("planting graph: " + traceback.format_exc()[-2000:])
         log(traceback.format_exc())
     save()
 

@@ -8,6 +8,9 @@
 # Steps (default limits in seconds):
 #   load        bench/load_bench.py, random 9B checkpoint, 16 and 64 agents through the worker, score, transformers (540)
 #   load16      the same with 16 agents only, no score or transformers (360: a cold start alone took 229 s)
+#   load16s     16 agents, then score and transformers on 8 rows (560)
+#   load64      64 agents only, no score or transformers (400)
+#   plant       bench/gpu_plant.py, 9B: a lone new state through the planting graph against the plain graph (200)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
 #   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (280)
@@ -38,6 +41,11 @@ run_step() {
                   --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 8 >"$dir/log.txt" 2>&1 ;;
         load16) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
                   --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
+        load16s) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
+                  --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 8 >"$dir/log.txt" 2>&1 ;;
+        load64) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 64 \
+                  --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
+        plant) timeout "$limit" python3 bench/gpu_plant.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
         profile) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s 5 >"$dir/log.txt" 2>&1 ;;
         batch) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts 1,4,16,64 \
@@ -54,10 +62,10 @@ run_step() {
     local what="rc $rc"
     [ $rc -eq 124 ] && what="stopped at its $limit s limit"
     echo "== $name: $what, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
-    grep -hE '^\[(load|agree)\]|ratio|hit|passed|failed|Error' "$dir/log.txt" 2>/dev/null | cut -c1-400 | tail -n 12
+    grep -hE '^\[(load|agree)\]|ratio|hit|passed|failed|Error|planting' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
 }
 
-declare -A LIMIT=([load]=540 [load16]=360 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([load]=540 [load16]=360 [load16s]=560 [load64]=400 [plant]=200 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     name=${arg%%:*}
     limit=${LIMIT[$name]:-300}

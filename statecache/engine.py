@@ -3,9 +3,12 @@
 For each batch: validate (and tokenise text rows), answer exact repeats from the memo, group the rest by their
 aligned state tokens, then run them short work first (`_run`): the rows that continue from saved states go
 through one batched forward (statecache.batch; hits, and the first row of each grown state, which plants its
-new end); the rows the cache cannot take and the first row of each new state go through one packed forward
-(statecache.plain), which also leaves the new states' checkpoints and K/V (statecache.plant), planted as one
-group each; the rows behind grown and new states then continue from those checkpoints in a second batched call.
+new end), the rows behind grown states through a second; then the new states, one forward each where a planting
+graph holds them (statecache.plant.PlantGraph), in arrival order, so the first new page's answer does not wait
+for the last one's forward (the rows the cache cannot take, and new states no graph holds, are packed into
+forwards of their own, statecache.plain); each forward leaves its new states' checkpoints and K/V
+(statecache.plant), planted as one group each, and the rows behind those states continue from them in a batched
+call right after it.
 What a batched call cannot take runs one row at a time through the state cache (restore, chunks). Whether a new
 state is planted is the `cold_ok` policy's decision (statecache.policy), asked once per new state; a declined
 state runs plain and plants nothing. So every forward plants, whatever the backlog; `waiting_rows` (the caller's
@@ -67,7 +70,7 @@ class Engine:
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
                  specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
-                 auto_budget: bool | None = None, between_layers: int = 4):
+                 auto_budget: bool | None = None, between_layers: int = 4, plant_graphs: bool | None = None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -118,11 +121,17 @@ class Engine:
             info = self.precapture_info
             log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
                      f"; failed: {info['failed']}" if info["failed"] else "")
+        # plant_graphs: new states through statecache.plant.PlantGraph (default: where CUDA graphs are used; True on
+        # the CPU runs its forward eagerly, the tests' form)
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
-                               specialists=self.specialists, between_layers=between_layers)
+                               specialists=self.specialists, between_layers=between_layers, plant_graphs=plant_graphs)
         if self.precapture_info is not None:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
-            self.precapture_info["plain"] = self.plain.precapture()  # short lone rows: their graphs now
+            # short lone rows' graphs, and the planting graphs of every length a new state can have
+            self.precapture_info["plain"] = info = self.plain.precapture(plant_from=self.cache.s.min_prefix)
+            if "planting" in info:
+                log.info("precaptured %d planting graphs in %.1f s (new states of %d-%d tokens)", info["planting"]["graphs"],
+                         info["planting"]["seconds"], self.cache.s.min_prefix, self.plain.planter.max_tokens)
             self.plain.capture_on_demand = False  # nothing is captured while serving (other lone rows run packed)
         # image rows (a checkpoint with a vision tower and an image processor): the tower loads before the cache's
         # budget is sized from the memory left
@@ -183,6 +192,7 @@ class Engine:
         free = workspace = None
         if auto and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # blocks cached after start-up's warm-ups and captures count as free (graphs keep theirs)
             free = device_free_bytes(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
             workspace = max(forward_workspace_bytes(cfg, largest, nbytes), peak)
@@ -307,10 +317,13 @@ class Engine:
         """Compute the distinct rows of a batch, short work first (see the module docstring):
         1. one batched call (statecache.batch) for every row of a state saved at its end and the first row of each
            grown state (it plants the state's end);
-        2. one packed forward for the rows the cache cannot take and the first row of each new state the cold_ok
-           policy lets plant (it plants); with a `between` hook (chunked prefill) it calls back every few layers,
-           so rows that arrive meanwhile and continue from saved states are answered there;
-        3. a second batched call for the rows behind grown and new states (now hits);
+        2. a second batched call for the rows behind grown states (now hits);
+        3. the plain path's forwards for the rows the cache cannot take and the first row of each new state the
+           cold_ok policy lets plant (it plants): each new state alone through its planting graph where it has one,
+           in arrival order, the rest packed (`PlainPath.forwards`); each forward's answers are handed back when it
+           ends, and the rows behind its new states run batched right after it (now hits); with a `between` hook
+           (chunked prefill) each forward calls back every few layers, so rows that arrive meanwhile and continue
+           from saved states are answered there;
         4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
         groups, plain = self._groups(todo)
         saved, grown, planting, chunked = [], [], [], []  # groups of rows (i, row, key)
@@ -331,18 +344,17 @@ class Engine:
                 self.counts["declined"] += 1
                 plain += members
         later: list = []  # rows a batched call left
+        follow: dict = {}  # memo key of a new state's first row -> the rows behind it (they continue once it planted)
         if self.cache.batch is not None:
             later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results, found)
-        else:
-            chunked = saved + grown + chunked
-        self._deliver(results)  # answered so far: handed back before the long forward
-        self._plain(plain, results, [g[0] for g in planting])
-        if self.cache.batch is not None:
-            later += self._batched([m for g in grown + planting if "mm" not in g[0][1] for m in g[1:]], results)
+            self._deliver(results)
+            later += self._batched([m for g in grown for m in g[1:]], results)  # hits now, before the long forwards
+            follow = {g[0][2]: g[1:] for g in planting if "mm" not in g[0][1] and len(g) > 1}
             chunked += [g[1:] for g in planting if "mm" in g[0][1]]
         else:
-            chunked += [g[1:] for g in planting]
-        self._deliver(results)
+            chunked = saved + grown + chunked + [g[1:] for g in planting]
+        self._deliver(results)  # answered so far: handed back before the long forwards
+        later += self._plain(plain, results, [g[0] for g in planting], follow)
         for members in chunked + ([later] if later else []):
             self._one_by_one(members, results)
             self._deliver(results)
@@ -495,35 +507,51 @@ class Engine:
             res["route"] = self.specialists.names[ans.route]
         return res
 
-    def _plain(self, items, results, planting=()) -> None:
-        """One packed forward (statecache.plain) of `items` (the plain path: nothing planted) and of `planting`
-        (the first rows of new states: their checkpoints are planted, their path is "cold")."""
+    def _plain(self, items, results, planting=(), follow=None) -> list:
+        """The plain path's forwards (statecache.plain) of `items` (nothing planted) and of `planting` (the first rows
+        of new states: their checkpoints are planted, their path is "cold"), one forward at a time in the order
+        `PlainPath.forwards` gives (a new state with a planting graph alone, in arrival order; the rest packed), each
+        forward's answers handed back as soon as it ends. follow: memo key of a planting row -> the rows behind it,
+        run batched right after their state is planted. Returns the rows those batched calls left."""
         unique: OrderedDict = OrderedDict()
         for i, row, key in planting:
             unique.setdefault(key, (row, [], True))[1].append(i)
         for i, row, key in items:
             unique.setdefault(key, (row, [], False))[1].append(i)
         if not unique:
-            return
-        plans = [self.cache.plan(r["state_len"]) if plant else None for r, _, plant in unique.values()]
+            return []
+        entries = list(unique.items())
+        rows = [(r["ids"], r["slots"], r["nopts"], r.get("mm")) for _, (r, _, _) in entries]
+        plans = [self.cache.plan(r["state_len"]) if plant else None for _, (r, _, plant) in entries]
+        left: list = []
+        for fwd in self.plain.forwards(rows, plans):
+            self._plain_forward([entries[k] for k in fwd], [rows[k] for k in fwd], [plans[k] for k in fwd], results)
+            self._deliver(results)
+            behind = [m for k in fwd for m in (follow or {}).get(entries[k][0], ())]
+            if behind:
+                left += self._batched(behind, results)
+                self._deliver(results)
+        return left
+
+    def _plain_forward(self, entries, rows, plans, results) -> None:
+        """One forward of the plain path: entries (memo key, (row, result indices, plants)); a failure fails only
+        its rows."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            outs, planted = self.plain.run(
-                [(r["ids"], r["slots"], r["nopts"], r.get("mm")) for r, _, _ in unique.values()], plans,
-                between=self.cache.between)
+            outs, planted = self.plain.run(rows, plans, between=self.cache.between)
         except RowError as e:  # an image that decoded when checked but not now: the rows of this forward fail
-            for _, idx, _ in unique.values():
+            for _, (_, idx, _) in entries:
                 for i in idx:
                     results[i] = self._error(e.code, e.message)
             return
         except Exception as e:  # noqa: BLE001
             log.exception("plain path failed")
-            for _, idx, _ in unique.values():
+            for _, (_, idx, _) in entries:
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        self._phase("packed", len(unique), t0, c0)
-        for (key, (row, idx, plant)), (probs, route), pl in zip(unique.items(), outs, planted):
+        self._phase("packed", len(entries), t0, c0)
+        for (key, (row, idx, plant)), (probs, route), pl in zip(entries, outs, planted):
             if plant:
                 try:
                     keys = row["mm"].keys if "mm" in row else row["ids"]
@@ -540,17 +568,6 @@ class Engine:
             self.memo.put(key, res)
             for k, i in enumerate(idx):
                 results[i] = res if k == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
-
-    def plant_with_graphs(self, on: bool = True) -> bool:
-        """A lone new state's planting forward as pieces of CUDA graphs (statecache.plant.PlantGraphs) instead of
-        eagerly packed: experimental, off by default until bench/gpu_plant.py has checked it on the GPU. Returns
-        whether it is on (never without CUDA graphs)."""
-        from .plant import PlantGraphs
-
-        p = self.plain
-        p.planter = (PlantGraphs(self.model, self.kernels, p.pool, p.max_graph_tokens, p.stats, p.failures)
-                     if on and p.use_graphs else None)
-        return p.planter is not None
 
     def _memo(self, key) -> dict | None:
         hit = self.memo.get(key)

@@ -16,14 +16,16 @@ Each checkpoint's tensors are allocated on their own (no views into a shared buf
 and eviction free what they say. The shapes match statecache.mixers.ChunkState: conv [G, W - 1, C] (model dtype),
 S [G, Hv, Dk, Dv] float32, K, V [A, p, Hkv, D].
 
-`PlantGraphs` runs a lone planting row as pieces of CUDA graphs cut at the delta rules (experimental, off by
-default: statecache.engine.Engine.plant_with_graphs), the delta rules eagerly in between, split as above.
+`PlantGraph` runs a lone planting row as CUDA graphs (one per padded length, in pieces of a few layers so that
+short work can run in between), its checkpoints taken with their positions as data: the form a new page takes when
+it has a graph; packs of rows, image rows and plans it cannot hold take `PlantMixer`.
 
 Knows nothing of the cache, its index or its policy: statecache.plain runs it, statecache.engine plants the result.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -191,39 +193,53 @@ class PlantMixer(PackedMixer):
         return super().attend(a, q, k, v, scale)
 
 
-# ---- a lone planting row as pieces of CUDA graphs --------------------------------------------------------------------
+# ---- a lone planting row as CUDA graphs ----------------------------------------------------------------------------
 
-M_BUCKETS = (4, 8, 16, 32, 64, 128)  # checkpoints a lone planting row's graph has room for
+SNAP_SLOTS = 8  # checkpoints a planting graph keeps: chunk-aligned ones in slots 0.., one unaligned in the last slot
+CHUNK = 64  # the delta rule's chunk: states at multiples of this come from the chunked kernels as they run
 
 
 @dataclass
 class _Pieces:
-    inp: torch.Tensor  # [T + 2 * S] long: ids | slots | nopts (see statecache.graphs.pack_inputs)
-    conv_idx: torch.Tensor  # [M * (W - 1)] long: the positions whose conv inputs each checkpoint keeps
+    inp: torch.Tensor  # [T + 2 * S] long: ids | slots | nopts (statecache.graphs.fill_inputs)
+    idx: torch.Tensor  # [M * (W - 1) + M + CHUNK + 1] long: conv-tail positions | chunk per slot | the unaligned
+    # checkpoint's chunk tokens | how many of them count (see PlantGraph.layout)
     out: torch.Tensor | None = None  # [S, n_letters]
-    graphs: list = field(default_factory=list)  # G + 1 graphs: before the first delta rule, between each, after
+    graphs: list = field(default_factory=list)  # one per piece of layers (cut every `every` layers)
 
 
-class _StageMixer(PackedMixer):
-    """The forward of one padded row with its delta rules taken out: each GDN layer's q, k, v, g, beta go to the
-    stage buffers, `between(j)` runs (the delta rule, eagerly, or the switch to the next captured graph), and the
-    layer goes on from the stage's output buffer. Conv tails are gathered at `conv_idx` into `tails`, the attention
-    keys and values copied into `K`, `V` (all static buffers, so a graph captured over them serves every row)."""
+class _GraphPlantMixer(PackedMixer):
+    """The packed mixer of one padded row that also keeps what a planting needs, all in static buffers and with the
+    positions as data (so one graph serves every row of its padded length): each GDN layer's conv inputs at the
+    checkpoints' tails (gathered), its delta-rule states at the checkpoints' chunk starts (`delta_states`), the last
+    slot advanced through the unaligned checkpoint's tokens past its chunk start (the one-chunk kernel, the other
+    tokens of that chunk masked out with g = 0 and beta = 0), and the attention K/V. `cut(i)` runs after every
+    `every` layers but the last (a graph piece ends there; eagerly, the caller's `between`)."""
 
-    def __init__(self, kernels, cu, T: int, bufs: dict, conv_idx: torch.Tensor, between):
+    def __init__(self, kernels, cu, T: int, bufs: dict, idx: torch.Tensor, W1: int, n_layers: int, every: int, cut):
         super().__init__(kernels, cu, T)
-        self.T, self.b, self.conv_idx, self.between = T, bufs, conv_idx, between
+        M = SNAP_SLOTS
+        self.T, self.b, self.n_layers, self.every, self.cut = T, bufs, n_layers, every, cut
+        self.conv_idx, self.at, self.adv_idx, adv_len = torch.split(idx, [M * W1, M, CHUNK, 1])
+        self.adv_live = (torch.arange(CHUNK, device=idx.device) < adv_len)[:, None]  # [CHUNK, 1]
+
+    def after_layer(self, i: int) -> None:
+        if self.every > 0 and (i + 1) % self.every == 0 and i + 1 < self.n_layers:
+            self.cut(i)
 
     def conv(self, j, x, w):
-        torch.index_select(x, 0, self.conv_idx, out=self.b["tails"][j, : self.conv_idx.shape[0]])
+        torch.index_select(x, 0, self.conv_idx, out=self.b["tails"][j])
         return super().conv(j, x, w)
 
     def delta(self, j, q, k, v, g, beta):
-        T, b = self.T, self.b
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            b[name][:T].copy_(t)
-        self.between(j)
-        return b["o"][:T]
+        o, states = self.k.delta_states(q[None], k[None], v[None], g[None], beta[None], self.at)
+        S = self.b["S"][j]
+        S.copy_(states)
+        q1, k1, v1 = (t.index_select(0, self.adv_idx) for t in (q, k, v))
+        g1 = g.index_select(0, self.adv_idx) * self.adv_live
+        b1 = beta.index_select(0, self.adv_idx) * self.adv_live.to(beta.dtype)
+        self.k.delta_into(q1, k1, v1, g1, b1, S[-1])
+        return o[0]
 
     def attend(self, a, q, k, v, scale):
         self.b["K"][a, : self.T].copy_(k)
@@ -231,75 +247,111 @@ class _StageMixer(PackedMixer):
         return super().attend(a, q, k, v, scale)
 
 
-class PlantGraphs:
-    """A lone row that plants, on CUDA: its forward (zero-padded to T tokens, like the plain path's single-row graphs)
-    captured as G + 1 CUDA graphs, cut at each GDN layer's delta rule, which runs eagerly between the replays,
-    split at the row's own checkpoint positions (PlantMixer.delta over the stage buffers). Graphs are keyed by
-    (T, slot bucket, checkpoint bucket) only: the positions are data (the conv-tail gather index, the eager
-    split), so one set of graphs serves every state of that padded length. The stage buffers are shared by all
-    keys (sized for max_tokens). A shape that fails to capture is remembered; its rows run packed instead.
-    Experimental: not the default (PlainPath(plant_graphs=True)); bench/gpu_plant.py times it."""
+class PlantGraph:
+    """A lone row that plants, as CUDA graphs: its whole forward zero-padded to T tokens (a multiple of `bucket`),
+    captured once per (T, slot bucket) and cut into pieces every `every` layers, so that a caller's `between` (short
+    work that arrived meanwhile) runs between the pieces, as it does between the layers of an eager packed forward.
+    The checkpoints come out of that same forward with their positions as data: chunk-aligned positions take the
+    delta rule's own per-chunk states (`kernels.delta_states`), at most one unaligned position (the state end
+    minus the cache's tail) its chunk start's state advanced by the one-chunk kernel; conv tails are gathered, K/V
+    copied out of static buffers. So a new state costs its plain forward plus those copies, with no Python per
+    delta-rule call and no capture while serving (`precapture`). A plan this layout cannot hold (more than
+    SNAP_SLOTS - 1 aligned positions, two unaligned ones, a first position inside the conv window) or a shape with
+    no graph gives None: the caller runs the row packed (PlantMixer). On CUDA the states at chunk starts are fla's,
+    kept in the model dtype and widened to float32 (the chunked path's are float32 throughout); on the CPU they are
+    the reference's float32 states, so the packed planting forward's checkpoints are matched exactly.
+    graphs=False runs the same forward eagerly (the CPU tests' form; `between` then runs between the pieces too)."""
 
-    def __init__(self, model, kernels, pool, max_tokens: int, stats: dict, failures: list[str]):
-        self.model, self.kernels, self.pool, self.max_tokens = model, kernels, pool, max_tokens
-        self.stats, self.failures = stats, failures
-        self.graphs: dict[tuple[int, int, int], _Pieces | None] = {}
+    def __init__(self, model, kernels, pool, max_tokens: int, stats: dict, failures: list[str], *, bucket: int = 128,
+                 every: int = 4, graphs: bool = True):
+        self.model, self.kernels, self.pool = model, kernels, pool
+        self.bucket, self.max_tokens, self.every = bucket, max_tokens - max_tokens % bucket, every
+        self.stats, self.failures, self.use_graphs = stats, failures, graphs
+        self.W1 = model.cfg.linear_conv_kernel_dim - 1
+        self.graphs: dict[tuple[int, int], _Pieces | None] = {}
         self._bufs: dict | None = None
 
     def bufs(self) -> dict:
-        """The stage buffers (allocated on first use, sized for max_tokens)."""
+        """The static buffers, shared by every shape (allocated on first use, sized for max_tokens)."""
         if self._bufs is None:
-            cfg, dev, dt, T = self.model.cfg, self.model.device, self.model.dtype, self.max_tokens
+            cfg, dev, dt, T, M = self.model.cfg, self.model.device, self.model.dtype, self.max_tokens, SNAP_SLOTS
             G, A = len(cfg.linear_layers), len(cfg.full_layers)
-            Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                              cfg.linear_value_head_dim)
-            W1 = cfg.linear_conv_kernel_dim - 1
             e = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
-            self._bufs = {"q": e(T, Hk, Dk), "k": e(T, Hk, Dk), "v": e(T, Hv, Dv), "g": e(T, Hv, d=torch.float32),
-                          "beta": e(T, Hv), "o": e(T, Hv, Dv), "tails": e(G, M_BUCKETS[-1] * W1, cfg.conv_dim),
+            self._bufs = {"tails": e(G, M * self.W1, cfg.conv_dim),
+                          "S": e(G, M, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                 d=torch.float32),
                           "K": e(A, T, cfg.num_key_value_heads, cfg.head_dim),
                           "V": e(A, T, cfg.num_key_value_heads, cfg.head_dim)}
         return self._bufs
 
-    def _forward(self, p: _Pieces, T: int, S: int, between) -> torch.Tensor:
+    def key(self, n: int, n_slots: int, slot_buckets) -> tuple[int, int] | None:
+        """(padded length, slot bucket) of a row of n tokens, or None when it is longer than max_tokens."""
+        T = -(-n // self.bucket) * self.bucket
+        S = next((b for b in slot_buckets if n_slots <= b), None)
+        if T > self.max_tokens or S is None:
+            return None
+        return T, S
+
+    def layout(self, plan: list[int], T: int) -> tuple[list[int], list[int]] | None:
+        """plan (ascending positions) -> (the idx buffer's values, each position's slot), or None when the layout
+        cannot hold it. Unused slots read position 0 (zeros, never planted)."""
+        M, W1 = SNAP_SLOTS, self.W1
+        aligned = [c for c in plan if c % CHUNK == 0]
+        odd = [c for c in plan if c % CHUNK]
+        if not plan or len(odd) > 1 or len(aligned) > M - 1 or plan[0] < W1 or plan[-1] >= T:
+            return None
+        at_slot = aligned + [0] * (M - 1 - len(aligned)) + [odd[0] if odd else 0]
+        conv = [max(c - W1 + r, 0) for c in at_slot for r in range(W1)]
+        chunk = [c // CHUNK for c in at_slot]
+        a = at_slot[-1] - at_slot[-1] % CHUNK
+        adv = [min(a + r, T - 1) for r in range(CHUNK)]
+        slot = {c: m for m, c in enumerate(aligned)}
+        if odd:
+            slot[odd[0]] = M - 1
+        return conv + chunk + adv + [at_slot[-1] - a], [slot[c] for c in plan]
+
+    def _forward(self, p: _Pieces, T: int, S: int, cut) -> torch.Tensor:
         ids, slots, nopts = torch.split(p.inp, [T, S, S])
         dev = p.inp.device
         cu = torch.arange(0, 2 * T, T, dtype=torch.int32, device=dev)
-        mix = _StageMixer(self.kernels, cu, T, self.bufs(), p.conv_idx, between)
+        mix = _GraphPlantMixer(self.kernels, cu, T, self.bufs(), p.idx, self.W1, len(self.model.w.layers),
+                               self.every, cut)
         h = self.model.body(ids, torch.arange(T, device=dev), mix)
         return self.model.letter_probs(h.index_select(0, slots), nopts)
 
-    def _eager_delta(self, j: int, T: int, plan_mixer: "PlantMixer") -> None:
-        b = self.bufs()
-        o = plan_mixer.delta(j, b["q"][:T], b["k"][:T], b["v"][:T], b["g"][:T], b["beta"][:T])
-        b["o"][:T].copy_(o)
-
-    def _capture(self, key) -> _Pieces | None:
-        from .graphs import pack_inputs
-
-        T, S, M = key
-        W1 = self.model.cfg.linear_conv_kernel_dim - 1
+    def _new(self, T: int, S: int) -> _Pieces:
         dev = self.model.device
-        p = _Pieces(inp=pack_inputs(T, S).to(dev), conv_idx=torch.zeros(M * W1, dtype=torch.long, device=dev))
+        n_idx = SNAP_SLOTS * self.W1 + SNAP_SLOTS + CHUNK + 1
+        p = _Pieces(inp=torch.zeros(T + 2 * S, dtype=torch.long, device=dev),
+                    idx=torch.zeros(n_idx, dtype=torch.long, device=dev))
+        p.idx[SNAP_SLOTS * self.W1 + SNAP_SLOTS :][:CHUNK].copy_(torch.arange(CHUNK))  # a valid warm-up layout
+        return p
+
+    def _capture(self, key: tuple[int, int]) -> _Pieces | None:
+        T, S = key
+        p = self._new(T, S)
         t0 = time.perf_counter()
+        from .graphs import side_stream
+
         try:
-            warm = self._plan_mixer(T, [T])
-            side = torch.cuda.Stream()
+            side = side_stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(2):  # compiling and autotuning happen here, never inside a capture
-                    self._forward(p, T, S, lambda j: self._eager_delta(j, T, warm))
+                # compiling and autotuning happen here, never inside a capture (after the first shape, one pass: the
+                # kernels have met every class of length a multiple of `bucket` can be)
+                for _ in range(2 if not any(self.graphs.values()) else 1):
+                    self._forward(p, T, S, lambda i: None)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             state = {"g": torch.cuda.CUDAGraph()}
 
-            def switch(j):
+            def switch(i):
                 state["g"].capture_end()
                 p.graphs.append(state["g"])
                 state["g"] = torch.cuda.CUDAGraph()
                 state["g"].capture_begin(pool=self.pool)
 
-            stream = torch.cuda.Stream()
+            stream = self._stream = getattr(self, "_stream", None) or torch.cuda.Stream()  # one capture stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
                 state["g"].capture_begin(pool=self.pool)
@@ -320,57 +372,68 @@ class PlantGraphs:
             self.stats["captures"] += 1
             self.stats["capture_s"] += time.perf_counter() - t0
 
-    def _plan_mixer(self, T: int, plan: list[int]) -> PlantMixer:
-        """A PlantMixer over the one padded sequence [0, T), used only for its split delta rule."""
-        cfg = self.model.cfg
-        cu = torch.tensor([0, T], dtype=torch.int32, device=self.model.device)
-        return PlantMixer(self.kernels, cu, [T], [plan], len(cfg.linear_layers), len(cfg.full_layers))
+    def keys(self, min_tokens: int, slot_bucket: int) -> list[tuple[int, int]]:
+        lo = max(self.bucket, -(-min_tokens // self.bucket) * self.bucket)
+        return [(T, slot_bucket) for T in range(lo, self.max_tokens + 1, self.bucket)]
 
-    def key(self, n: int, n_slots: int, n_ckpts: int, bucket: int, slot_buckets) -> tuple[int, int, int] | None:
-        T = -(-n // bucket) * bucket
-        S = next((b for b in slot_buckets if n_slots <= b), None)
-        M = next((b for b in M_BUCKETS if n_ckpts <= b), None)
-        if T > self.max_tokens or S is None or M is None:
-            return None
-        return T, S, M
-
-    def run(self, key, ids, slots, nopts, plan: list[int], eager: bool = False):
-        """-> (probs per slot, Planted), or None when the shape has no graph. eager: run the same pieces without
-        graphs (the CPU tests' form of this path)."""
-        from .graphs import fill_inputs
-
-        T, S, M = key
-        cfg = self.model.cfg
-        W1 = cfg.linear_conv_kernel_dim - 1
-        if plan[0] < W1:
-            return None  # the tail gather assumes W - 1 inputs before every position (align >= W - 1)
-        if eager:
-            p = _Pieces(inp=torch.empty(T + 2 * S, dtype=torch.long, device=self.model.device),
-                        conv_idx=torch.zeros(M * W1, dtype=torch.long, device=self.model.device))
-        else:
+    def precapture(self, min_tokens: int, slot_bucket: int, progress=sys.stderr) -> dict:
+        """Capture the graphs of every padded length from min_tokens to max_tokens (one slot bucket) now."""
+        t0 = time.perf_counter()
+        keys = self.keys(min_tokens, slot_bucket) if self.use_graphs else []
+        for n, key in enumerate(keys, 1):
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key)
-            p = self.graphs[key]
-            if p is None:
-                return None
+            if progress is not None:
+                print(f"\rplanting precapture {n}/{len(keys)} graphs ({time.perf_counter() - t0:.1f} s)", end="",
+                      file=progress, flush=True)
+        if progress is not None and keys:
+            print(file=progress)
+        return {"graphs": sum(g is not None for g in self.graphs.values()), "seconds": round(time.perf_counter() - t0, 2)}
+
+    def capture(self, n: int, n_slots: int, slot_buckets) -> bool:
+        """Capture the graph a row of n tokens and n_slots answer slots needs, if it has none yet; whether it has
+        one now (benchmarks; the engine captures everything up front with `precapture`)."""
+        key = self.key(n, n_slots, slot_buckets)
+        if key is None or not self.use_graphs:
+            return False
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        return self.graphs[key] is not None
+
+    def can(self, n: int, n_slots: int, plan: list[int], slot_buckets) -> bool:
+        """Would `run` take this row (a layout for its plan, a graph for its shape, or eager mode)?"""
+        key = self.key(n, n_slots, slot_buckets)
+        if key is None or self.layout(plan, key[0]) is None:
+            return False
+        return not self.use_graphs or self.graphs.get(key) is not None
+
+    def run(self, ids, slots, nopts, plan: list[int], slot_buckets, between=None):
+        """-> (probs per slot, Planted), or None when the row cannot run here (see `can`). Never captures: a shape
+        without a graph gives None."""
+        if not self.can(len(ids), len(slots), plan, slot_buckets):
+            return None
+        from .graphs import fill_inputs
+
+        T, S = self.key(len(ids), len(slots), slot_buckets)
+        idx, slot_of = self.layout(plan, T)
+        p = self._new(T, S) if not self.use_graphs else self.graphs[(T, S)]
         host = torch.empty(T + 2 * S, dtype=torch.long)
         fill_inputs(host.numpy(), T, S, ids, slots, nopts)
-        idx = torch.zeros(M * W1, dtype=torch.long)
-        idx[: len(plan) * W1] = torch.tensor([c - W1 + r for c in plan for r in range(W1)])
         p.inp.copy_(host)
-        p.conv_idx.copy_(idx)
-        pm = self._plan_mixer(T, plan)
-        if eager:
-            out = self._forward(p, T, S, lambda j: self._eager_delta(j, T, pm))
+        p.idx.copy_(torch.tensor(idx, dtype=torch.long))
+        if not self.use_graphs:
+            with torch.no_grad():
+                out = self._forward(p, T, S, lambda i: between() if between is not None else None)
         else:
-            for j, g in enumerate(p.graphs[:-1]):
+            for k, g in enumerate(p.graphs):
                 g.replay()
-                self._eager_delta(j, T, pm)
-            p.graphs[-1].replay()
+                if between is not None and k + 1 < len(p.graphs):
+                    between()
             out = p.out
-        b = self.bufs()
-        pl = pm.planted[0]
-        pl.conv = [b["tails"][:, i * W1 : (i + 1) * W1].clone() for i in range(len(plan))]
+        b, W1 = self.bufs(), self.W1
+        pl = Planted(list(plan))
+        pl.conv = [b["tails"][:, m * W1 : (m + 1) * W1].clone() for m in slot_of]
+        pl.S = [b["S"][:, m].clone() for m in slot_of]
         pl.K, pl.V = b["K"][:, : plan[-1]].clone(), b["V"][:, : plan[-1]].clone()
         probs = out[: len(slots)].float().cpu()
         return [probs[k, : nopts[k]].tolist() for k in range(len(slots))], pl

@@ -355,7 +355,8 @@ def test_score_cli_precapture_flag_and_budget_line(monkeypatch, capsys):
 
 def test_rows_of_saved_states_run_batched(engine):
     """A drained batch: rows of states with checkpoints (hits, a grown state) run as one batched call; a new state's
-    first row plants alone and the rows behind it run in a second call; STATECACHE_BATCH=0's engine answers alike."""
+    first row plants alone and the rows behind it run in a call of their own right after it; STATECACHE_BATCH=0's
+    engine answers alike."""
     eng = engine()
     a, b, c = toks(300, 21), toks(200, 22), toks(260, 23)
     check(eng, [row(a, 5, 1), row(b, 5, 2)], eng.answer([row(a, 5, 1), row(b, 5, 2)]))
@@ -367,8 +368,9 @@ def test_rows_of_saved_states_run_batched(engine):
     check(eng, rows, res)
     assert paths(res) == ["hit", "cold", "partial", "hit", "hit", "hit", "hit"]  # the grown state planted once
     assert eng.cache.stats["batched"] == 6
-    # first call: the hits and the grown state (planting inside its piece); second call: the rows behind c and grown
-    assert eng.cache.batch.stats["forwards"] - forwards == 2
+    # first call: the hits and the grown state (planting inside its piece); second: the rows behind grown (before the
+    # new state's long forward); third: the rows behind c, once c has planted
+    assert eng.cache.batch.stats["forwards"] - forwards == 3
     solo = engine(batch=0)
     assert solo.cache.batch is None
     check(solo, rows, solo.answer(rows))
@@ -608,3 +610,30 @@ def test_stats_say_where_a_batch_spent_its_time(engine):
     ph = eng.stats()["phases"]
     assert ph["batched_rows"] == 1 and ph["batched_s"] > 0 and ph["packed_rows"] == 2
     assert ph["between_calls"] == len(calls) > 0 and ph["between_s"] >= 0
+
+
+def test_new_states_plant_one_forward_each_and_answer_in_turn(engine, monkeypatch):
+    """With planting graphs (their forward run eagerly on the CPU), a batch's new states run one forward each, in
+    arrival order: each is answered (on_result) before the next one's forward starts, and the rows behind it run
+    batched right after it, as hits."""
+    eng = engine(plant_graphs=True)
+    assert eng.plain.planter is not None
+    events = []
+    real = eng.plain.planter.run
+
+    def spy(ids, *a, **k):
+        events.append(("forward", len(ids)))
+        return real(ids, *a, **k)
+
+    monkeypatch.setattr(eng.plain.planter, "run", spy)
+    a, b, c = toks(300, 31), toks(200, 32), toks(260, 33)
+    rows = [row(a, 5, 1), row(b, 6, 2), row(a, 7, 3), row(c, 8, 4)]
+    res = eng.answer(rows, on_result=lambda i, r: events.append(("answer", i)))
+    check(eng, rows, res)
+    assert paths(res) == ["cold", "cold", "hit", "cold"]
+    assert events == [("forward", 305), ("answer", 0), ("answer", 2), ("forward", 206), ("answer", 1),
+                      ("forward", 268), ("answer", 3)]
+    again = [row(a, 9, 5), row(b, 9, 6), row(c, 9, 7)]  # every planted state serves the next questions
+    res = eng.answer(again)
+    check(eng, again, res)
+    assert paths(res) == ["hit", "hit", "hit"]

@@ -1,10 +1,12 @@
-"""A lone planting row as pieces of graphs (statecache.plant.PlantGraphs), on the CPU.
+"""A lone planting row through statecache.plant.PlantGraph, on the CPU.
 
-CUDA graphs need a GPU; here the same pieces run eagerly (`run(..., eager=True)`): the forward of the padded row
-with each delta rule taken out through the stage buffers and run split at the row's own positions, the conv tails
-gathered by index, the K/V copied out of the static buffers. Its answers equal the plain forward's and its
-checkpoints the packed planting forward's (float32). Through PlainPath: a lone planting row goes to the planter when
-`plant_graphs` is on, and to the packed form when its shape fails to capture.
+CUDA graphs need a GPU; here the same forward runs eagerly (`graphs=False`): the padded row's forward with the
+checkpoints' conv tails gathered, the delta rule's states at chunk starts (`delta_states`), the unaligned checkpoint
+advanced through the one-chunk path with the rest of its chunk masked out, the K/V copied out of the static
+buffers. Its answers equal the plain forward's and its checkpoints the packed planting forward's (float32). Through
+PlainPath: a lone planting row goes to the planter, several go one at a time, a plan the layout cannot hold goes
+packed, `between` runs between the pieces; in graph mode a shape without a graph runs packed and nothing is captured
+while serving. Through the engine: new states run one forward each, each answered before the next one's forward.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import statecache.graphs as graphs_mod
 from statecache.kernels import TorchKernels
 from statecache.plain import SLOT_BUCKETS, PlainPath
-from statecache.plant import PlantGraphs
+from statecache.plant import SNAP_SLOTS, PlantGraph
 from tests.cache_util import assert_close, make_cache, one_thread, plain_path, reference, small_model, toks
 
 
@@ -25,29 +27,108 @@ def _threads():
         yield
 
 
-def planter() -> PlantGraphs:
-    return PlantGraphs(small_model(), TorchKernels(), None, 1024, graphs_mod.new_stats(), [])
+def planter(every: int = 4) -> PlantGraph:
+    return PlantGraph(small_model(), TorchKernels(), None, 1024, graphs_mod.new_stats(), [], every=every, graphs=False)
+
+
+def assert_planted_equal(pl, want) -> None:
+    assert pl.positions == want.positions
+    pairs = [("S", pl.S, want.S), ("conv", pl.conv, want.conv), ("K", [pl.K], [want.K]), ("V", [pl.V], [want.V])]
+    for name, a, b in pairs:
+        assert len(a) == len(b), name
+        for x, y in zip(a, b):
+            assert x.shape == y.shape and x.dtype == y.dtype, name
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("n,state_len,stride,tail", [(320, 300, 128, 16), (333, 300, 64, 64), (700, 650, 192, 16),
-                                                     (130, 64, 0, 0)])
-def test_pieces_equal_the_packed_planting_forward(n, state_len, stride, tail):
+                                                     (130, 64, 0, 0), (260, 250, 0, 40), (400, 390, 128, 0)])
+def test_the_graph_planter_equals_the_packed_planting_forward(n, state_len, stride, tail):
     cache = make_cache(False, stride=stride, tail=tail)
     ids = toks(n, n)
     slots, nopts = [n - 1, state_len], [4, 7]
     plan = cache.plan(state_len)
     pg = planter()
-    key = pg.key(n, len(slots), len(plan), 64, SLOT_BUCKETS)
-    assert key[0] >= n and key[0] % 64 == 0
-    probs, pl = pg.run(key, ids, slots, nopts, plan, eager=True)
+    T, S = pg.key(n, len(slots), SLOT_BUCKETS)
+    assert T >= n and T % pg.bucket == 0 and S == 4
+    probs, pl = pg.run(ids, slots, nopts, plan, SLOT_BUCKETS)
     assert_close(probs, reference(ids, slots, nopts))
     _, (want,) = plain_path().run([(ids, slots, nopts)], [plan])
-    assert pl.positions == want.positions == plan
-    pairs = [("S", pl.S, want.S), ("conv", pl.conv, want.conv), ("K", [pl.K], [want.K]), ("V", [pl.V], [want.V])]
-    for name, a, b in pairs:
-        for x, y in zip(a, b):
-            assert x.shape == y.shape and x.dtype == y.dtype, name
-            torch.testing.assert_close(x, y, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_planted_equal(pl, want)
+
+
+def test_layouts_it_cannot_hold():
+    pg = planter()
+    assert pg.layout([100, 130], 256) is None  # two unaligned positions
+    assert pg.layout(list(range(64, 64 * (SNAP_SLOTS + 1), 64)), 1024) is None  # more aligned ones than slots
+    assert pg.layout([2, 64], 256) is None  # a first position inside the conv window
+    assert pg.layout([64, 256], 256) is None  # a position at the padded end (a row is longer than its state)
+    idx, slots = pg.layout([64, 128, 176, 192], 256)
+    assert slots == [0, 1, SNAP_SLOTS - 1, 2]
+    W1 = pg.W1
+    at = idx[SNAP_SLOTS * W1 : SNAP_SLOTS * W1 + SNAP_SLOTS]
+    assert at == [1, 2, 3, 0, 0, 0, 0, 2] and idx[-1] == 176 - 128
+    assert idx[: 3 * W1] == [64 - W1 + r for r in range(W1)] + [128 - W1 + r for r in range(W1)] + \
+        [192 - W1 + r for r in range(W1)]
+
+
+def test_between_runs_between_the_pieces_and_changes_nothing():
+    calls = []
+    pg = planter(every=1)  # 4 layers: pieces after layers 1, 2, 3
+    cache = make_cache(False)
+    ids = toks(320, 5)
+    plan = cache.plan(300)
+    probs, pl = pg.run(ids, [319], [4], plan, SLOT_BUCKETS, between=lambda: calls.append(1))
+    assert len(calls) == 3
+    assert_close(probs, reference(ids, [319], [4]))
+    _, (want,) = plain_path().run([(ids, [319], [4])], [plan])
+    assert_planted_equal(pl, want)
+
+
+def test_one_planter_serves_rows_of_other_states_and_positions():
+    """Rows of other lengths, states and positions one after another through the same static buffers: nothing of
+    the previous row leaks into the next."""
+    pg = planter()
+    cache = make_cache(False)
+    keys = set()
+    for k, (n, state_len) in enumerate([(330, 300), (320, 130), (300, 260), (330, 300), (200, 190)]):
+        ids = toks(n, 40 + k)
+        plan = cache.plan(state_len)
+        keys.add(pg.key(n, 1, SLOT_BUCKETS))
+        probs, pl = pg.run(ids, [n - 1], [4], plan, SLOT_BUCKETS)
+        assert_close(probs, reference(ids, [n - 1], [4]))
+        _, (want,) = plain_path().run([(ids, [n - 1], [4])], [plan])
+        assert_planted_equal(pl, want)
+    assert keys == {(384, 4), (256, 4)}
+
+
+def test_plain_path_runs_planting_rows_alone_through_the_planter(monkeypatch):
+    seen = []
+    real = PlantGraph.run
+    def spy(self, ids, *a, **k):
+        got = real(self, ids, *a, **k)
+        if got is not None:
+            seen.append(len(ids))
+        return got
+
+    monkeypatch.setattr(PlantGraph, "run", spy)
+    pp = PlainPath(small_model(), TorchKernels(), plant_graphs=True, max_graph_tokens=1024)
+    assert pp.planter is not None and not pp.planter.use_graphs
+    cache = make_cache(False)
+    a, b, c = toks(320, 1), toks(200, 2), toks(260, 3)
+    rows = [(a, [319], [4]), (b, [199], [3]), (c, [259], [4])]
+    plans = [cache.plan(300), None, cache.plan(250)]
+    assert pp.forwards(rows, plans) == [[0], [2], [1]]
+    outs, planted = pp.run(rows, plans)
+    assert seen == [320, 260] and planted[1] is None
+    for (ids, slots, nopts), (probs, _route) in zip(rows, outs):
+        assert_close(probs, reference(ids, slots, nopts))
+    _, (want,) = plain_path().run([rows[2]], [plans[2]])
+    assert_planted_equal(planted[2], want)
+    odd = [100, 130]  # two unaligned positions: packed (PlantMixer)
+    assert pp.forwards([rows[0]], [odd]) == [[0]] and not pp.planter.can(320, 1, odd, SLOT_BUCKETS)
+    outs, planted = pp.run([rows[0]], [odd])
+    assert seen == [320, 260] and planted[0].positions == odd
 
 
 @pytest.fixture
@@ -56,50 +137,17 @@ def cpu_graph_mode(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
 
-def test_plain_path_sends_a_lone_planting_row_to_the_planter(cpu_graph_mode, monkeypatch):
-    seen = []
-    real = PlantGraphs.run
-    monkeypatch.setattr(PlantGraphs, "run", lambda self, *a, **k: seen.append(a[0]) or real(self, *a, eager=True))
-    pp = PlainPath(small_model(), TorchKernels(), graphs=True, plant_graphs=True, max_graph_tokens=1024)
-    monkeypatch.setattr(pp, "_single", lambda *a: None)  # plain single rows: not this test's business
-    cache = make_cache(False)
-    a, b = toks(320, 1), toks(200, 2)
-    outs, planted = pp.run([(a, [319], [4])], [cache.plan(300)])
-    outs = [probs for probs, _route in outs]
-    assert seen == [(320, 4, 4)] and planted[0].positions == [128, 192, 256]
-    assert_close(outs[0], reference(a, [319], [4]))
-    outs, planted = pp.run([(a, [319], [4]), (b, [199], [3])], [cache.plan(300), None])  # two rows: packed
-    outs = [probs for probs, _route in outs]
-    assert len(seen) == 1 and planted[1] is None and planted[0].positions == [128, 192, 256]
-    assert_close(outs[1], reference(b, [199], [3]))
-
-
-def test_a_shape_that_fails_to_capture_runs_packed(cpu_graph_mode):
-    pp = PlainPath(small_model(), TorchKernels(), graphs=True, plant_graphs=True, max_graph_tokens=1024)
+def test_in_graph_mode_a_shape_without_a_graph_runs_packed(cpu_graph_mode):
+    pp = PlainPath(small_model(), TorchKernels(), graphs=True, max_graph_tokens=1024)
+    assert pp.planter is not None and pp.planter.use_graphs
+    info = pp.planter.precapture(256, SLOT_BUCKETS[0], progress=None)  # no CUDA here: every capture fails
+    assert info["graphs"] == 0 and pp.stats["capture_failed"] == len(pp.planter.keys(256, 4)) and pp.failures
     a = toks(320, 3)
     plan = make_cache(False).plan(300)
-    for _ in range(2):
-        outs, planted = pp.run([(a, [319], [4])], [plan])  # no CUDA here: the capture fails, once
-        outs = [probs for probs, _route in outs]
-        assert_close(outs[0], reference(a, [319], [4]))
-        assert planted[0].positions == plan
-    assert pp.stats["capture_failed"] == 1 and pp.failures and pp.planter.graphs == {(320, 4, 4): None}
-
-
-def test_one_key_serves_rows_of_other_states_and_positions():
-    """Rows of one padded length, slot and checkpoint bucket but other states and positions, one after another
-    through the same static buffers: nothing of the previous row leaks into the next."""
-    pg = planter()
-    cache = make_cache(False)
-    keys = set()
-    for k, (n, state_len) in enumerate([(330, 300), (320, 130), (300, 260), (330, 300)]):
-        ids = toks(n, 40 + k)
-        plan = cache.plan(state_len)
-        key = pg.key(n, 1, len(plan), 64, SLOT_BUCKETS)
-        keys.add(key)
-        probs, pl = pg.run(key, ids, [n - 1], [4], plan, eager=True)
-        assert_close(probs, reference(ids, [n - 1], [4]))
-        _, (want,) = plain_path().run([(ids, [n - 1], [4])], [plan])
-        for x, y in zip(pl.S + pl.conv + [pl.K, pl.V], want.S + want.conv + [want.K, want.V]):
-            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
-    assert keys == {(320, 4, 4), (384, 4, 4)}
+    captures = pp.stats["captures"]
+    monkeypatch_single = pp._single
+    pp._single = lambda *x: None  # plain single rows: not this test's business
+    outs, planted = pp.run([(a, [319], [4])], [plan])
+    pp._single = monkeypatch_single
+    assert_close(outs[0][0], reference(a, [319], [4]))
+    assert planted[0].positions == plan and pp.stats["captures"] == captures  # packed; nothing captured meanwhile

@@ -311,3 +311,39 @@ def test_the_poll_skips_jobs_running_here(redis_url, queue_name):
 
     plain, skipped, scored = run(main())
     assert plain == [b"a", b"b", b"c"] and skipped == [b"b"] and len(scored) == 3
+
+
+def test_between_waits_for_enough_rows_or_the_oldest_one():
+    """A long forward's stop (`_between`) takes the waiting rows once `between_min_rows` wait or the oldest has
+    waited `between_wait_s`; until then they stay queued, in order."""
+    import asyncio as aio
+
+    from worker.gpu_thread import Ticket
+
+    class Ready:
+        def __init__(self):
+            self.calls = []
+
+        def answer_ready(self, rows):
+            self.calls.append(list(rows))
+            return [{"probs": [[1.0]], "path": "hit"} for _ in rows]
+
+    loop = aio.new_event_loop()
+    try:
+        th = GpuThread(lambda: None, between_min_rows=3, between_wait_s=60.0)
+        th.engine = Ready()
+        tickets = [Ticket("row", k, loop) for k in range(2)]
+        th._items.extend(tickets)
+        th._between()
+        assert th.engine.calls == [] and list(th._items) == tickets  # 2 < 3 and fresh: they wait
+        third = Ticket("row", 2, loop)
+        th._items.append(third)
+        th._between()
+        assert th.engine.calls == [[0, 1, 2]] and not th._items
+        late = Ticket("row", 3, loop)
+        late.submitted -= 61.0  # the oldest has waited past between_wait_s: it goes alone
+        th._items.append(late)
+        th._between()
+        assert th.engine.calls[-1] == [3] and not th._items
+    finally:
+        loop.close()

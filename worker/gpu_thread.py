@@ -9,8 +9,8 @@ the ready jobs in Redis nobody took plus the rows queued here), and resolve each
 `loop.call_soon_threadsafe`. Grouping by shared state, the memo and the paths are the engine's business;
 handing it the whole drained batch at once is this thread's. After each batch, `on_batch` gets the rows'
 results and timings and a snapshot of `engine.stats()` (for the metrics). While a batch runs a long forward,
-an engine that takes a `between` callback calls it between its chunks; rows that arrived meanwhile and can be
-answered at once (`engine.answer_ready`: memo answers, continuations of saved states) are answered then (they
+an engine that takes a `between` callback calls it between its chunks; once enough rows wait or the oldest has
+waited long enough (`between_min_rows`, `between_wait_s`), rows that arrived meanwhile and can be answered at once (`engine.answer_ready`: memo answers, continuations of saved states) are answered then (they
 reach the model and resolve there), the rest stay queued for the next batch (chunked prefill) and are not offered
 again while this batch runs.
 
@@ -64,7 +64,7 @@ class Ticket:
     """One row (or one call) handed to the thread. `reached`/`result` are futures of the submitting loop;
     `reached_at` (time.time()) and `engine_s` (the batch's engine time) are set by the thread."""
 
-    __slots__ = ("kind", "payload", "loop", "reached", "result", "reached_at", "engine_s", "early")
+    __slots__ = ("kind", "payload", "loop", "reached", "result", "reached_at", "engine_s", "early", "submitted")
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
         self.kind, self.payload, self.loop = kind, payload, loop
@@ -73,6 +73,7 @@ class Ticket:
         self.reached_at = 0.0
         self.engine_s = 0.0
         self.early = False  # answered before its batch ended (engine_s: when)
+        self.submitted = time.perf_counter()
 
     def dead(self) -> bool:
         return self.result.cancelled()
@@ -85,11 +86,16 @@ class GpuThread:
         waiting: Callable[[int], int] = lambda pending_rows: pending_rows,
         on_batch: Callable[[list, list, float, dict], None] | None = None,
         max_batch_rows: int = MAX_BATCH_ROWS,
+        between_min_rows: int = 1,
+        between_wait_s: float = 0.0,
     ):
         self._make_engine = make_engine
         self._waiting = waiting
         self._on_batch = on_batch
         self._max_batch_rows = max_batch_rows
+        # `between` takes the waiting rows once at least this many wait or the oldest has waited this long: each stop
+        # costs a batched forward (the weights read once more), so fewer, fuller stops serve more rows per second
+        self._between_min_rows, self._between_wait_s = max(1, between_min_rows), max(0.0, between_wait_s)
         self._items: deque[Ticket] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -294,6 +300,9 @@ class GpuThread:
             taken = taken[: self._max_batch_rows]
             if not taken:
                 return
+            if (len(taken) < self._between_min_rows
+                    and time.perf_counter() - min(t.submitted for t in taken) < self._between_wait_s):
+                return  # too few, too fresh: they wait for a later stop (or the batch's end)
             ids = {id(t) for t in taken}
             self._items = deque(t for t in self._items if id(t) not in ids)
         t0 = time.perf_counter()

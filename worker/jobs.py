@@ -203,6 +203,8 @@ async def startup(ctx: dict) -> None:
         engine_factory(settings, ctx.get("make_engine")),
         waiting=backlog.waiting,
         on_batch=lambda rows, results, engine_s, st: metrics.batch(results, st),
+        between_min_rows=settings.between_min_rows,
+        between_wait_s=settings.between_wait_s,
     )
     arq_worker = _arq_worker()
     if arq_worker is not None:
