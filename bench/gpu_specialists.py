@@ -10,7 +10,11 @@ The router's bias is set between rows to force the route a row takes (the in-gra
 
 Measured (wall milliseconds per row, synchronised, median; and the hit's chunk graph replay alone, CUDA events):
 - trunk hit: the same model without specialists (today's path), a new 64-token question on a 4096-token state;
-- specialists hit for every route (route 0 still runs the LoRA matmuls, with zeros), and its ratio to the trunk's;
+- specialists hit for every route (route 0 still runs the LoRA matmuls, with zeros), and its ratio to the trunk's.
+  Both caches' graphs are captured and every route hit once before anything is timed; then `--rounds` rounds each
+  time the trunk's hit and every route's (its state planted anew under that route), the routes in an order rotated
+  by one each round, so no route is always the first timed after the captures or the trunk: the median over rounds
+  of each round's median (every round's in *_rounds_ms), and wall minus graph replay (*_outside_graph_ms);
 - a misprediction whose route has a checkpoint at the state end (two hits) and one whose route has none (a hit,
   then the whole row again from nothing);
 - the plain path (one 4160-token row as one graph) with and without specialists (--skip-plain to leave out);
@@ -108,9 +112,11 @@ def profile(out: Path, tag: str, fn) -> None:
 
 def lora_only_ms(spec: Specialists, model, dev, dtype, T: int) -> dict:
     """GPU milliseconds of every adapted site's projections of one forward on random inputs [T, in], each way
-    captured as one CUDA graph: the trunk's x @ W.T; the specialists' with a fixed route (B masked once, then per
-    site the extended GEMM and one addmm: the chunk runner's path); with a route per token (one mask more per site:
-    batched hits, packed plain rows). The LoRA terms alone: the difference to the trunk's."""
+    captured as one CUDA graph: the trunk's x @ W.T; the specialists' with a fixed route (B masked outside the
+    graph, StackedLora.hold_route, then per site the extended GEMM and one addmm: the chunk runner's path); the same
+    with B masked inside the graph (a lone plain row's path; the chunk runner's before the mask was held: the
+    difference is what a hit saves by not masking); with a route per token (one mask more per site: batched hits,
+    packed plain rows). The LoRA terms alone: the difference to the trunk's."""
     from gpu_timing import replay_median_ms
 
     from statecache.graphs import capture
@@ -127,6 +133,10 @@ def lora_only_ms(spec: Specialists, model, dev, dtype, T: int) -> dict:
         return [xs[key] @ Ws[key].T for key in keys]
 
     def fixed():
+        b = FixedRoute(lora, spec.router, route, owner=fixed)
+        return [b.project(*key, xs[key], Ws[key]) for key in keys]
+
+    def fixed_masked():
         b = FixedRoute(lora, spec.router, route)
         return [b.project(*key, xs[key], Ws[key]) for key in keys]
 
@@ -134,12 +144,18 @@ def lora_only_ms(spec: Specialists, model, dev, dtype, T: int) -> dict:
         b = TokenRoutes(lora, spec.router, tok)
         return [b.project(*key, xs[key], Ws[key]) for key in keys]
     out = {}
-    for name, fn in (("trunk", trunk), ("fixed_route", fixed), ("token_routes", tokens)):
+    for name, fn in (("trunk", trunk), ("fixed_route", fixed), ("fixed_route_masked", fixed_masked),
+                     ("token_routes", tokens)):
+        if fn is fixed:
+            lora.hold_route(1, route, fixed)
         graph, _ = capture(fn, torch.cuda.graph_pool_handle())
+        if fn is fixed_masked:
+            lora.forget_route()  # its replays mask B_fixed unseen by the host
         out[f"{name}_projections_ms"] = round(replay_median_ms(graph, 20), 3)
         del graph
     out["lora_terms_only_graph_ms"] = round(out["fixed_route_projections_ms"] - out["trunk_projections_ms"], 3)
     out["lora_terms_token_routes_ms"] = round(out["token_routes_projections_ms"] - out["trunk_projections_ms"], 3)
+    out["mask_in_graph_ms"] = round(out["fixed_route_masked_projections_ms"] - out["fixed_route_projections_ms"], 3)
     out["sites"] = len(keys)
     return out
 
@@ -337,22 +353,45 @@ def run(args):
         assert a is not None and a.path == "hit", a
         return a
 
-    # the trunk's hit, today's path
-    trunk.row(rows[0], S, slot, [4])
-    R["trunk_hit_ms"] = timed(lambda: hit(trunk), dev, args.reps)
-    R["trunk_hit_graph_ms"] = replay_ms(trunk.runner, key) if dev.type == "cuda" else None
-    log("trunk hit", R["trunk_hit_ms"], "ms; graph", R["trunk_hit_graph_ms"])
-    # specialists hits, every route (its checkpoint plants the route, so the guess is right)
-    R["spec_hit_ms"], R["spec_hit_graph_ms"], R["spec_vs_trunk"] = {}, {}, {}
-    for r in range(args.routes):
+    def plant(r):  # a state of route r (its checkpoint plants the route, so the hits' guess is right)
         force(spec, r)
         special.clear()
         special.row(rows[0], S, slot, [4])
-        before = special.stats["mispredict"]
-        R["spec_hit_ms"][r] = timed(lambda: hit(special), dev, args.reps)
-        assert special.stats["mispredict"] == before, "a forced route mispredicted"
-        R["spec_hit_graph_ms"][r] = replay_ms(special.runner, key) if dev.type == "cuda" else None
-        R["spec_vs_trunk"][r] = round(R["spec_hit_ms"][r] / R["trunk_hit_ms"], 3)
+
+    # warm-up: the trunk's and the specialists' graphs captured, and every route hit, before anything is timed
+    trunk.row(rows[0], S, slot, [4])
+    hit(trunk)
+    for r in range(args.routes):
+        plant(r)
+        hit(special)
+    # the trunk's hit (today's path) and every route's, in rounds: routes in an order rotated by one each round
+    trunk_rounds, spec_rounds = [], {r: [] for r in range(args.routes)}
+    R["spec_hit_graph_ms"] = {}
+    for rnd in range(args.rounds):
+        trunk_rounds.append(timed(lambda: hit(trunk), dev, args.reps))
+        for j in range(args.routes):
+            r = (rnd + j) % args.routes
+            plant(r)
+            before = special.stats["mispredict"]
+            spec_rounds[r].append(timed(lambda: hit(special), dev, args.reps))
+            assert special.stats["mispredict"] == before, "a forced route mispredicted"
+            if rnd == args.rounds - 1:  # the graph alone, its route input left at r by the hits
+                R["spec_hit_graph_ms"][r] = replay_ms(special.runner, key) if dev.type == "cuda" else None
+        log("round", rnd, "trunk hit", trunk_rounds[-1], "ms; specialists by route",
+            {r: v[-1] for r, v in spec_rounds.items()})
+    R["trunk_hit_ms"] = statistics.median(trunk_rounds)
+    R["trunk_hit_rounds_ms"] = trunk_rounds
+    R["trunk_hit_graph_ms"] = replay_ms(trunk.runner, key) if dev.type == "cuda" else None
+    log("trunk hit", R["trunk_hit_ms"], "ms; graph", R["trunk_hit_graph_ms"])
+    R["spec_hit_graph_ms"] = {r: R["spec_hit_graph_ms"][r] for r in range(args.routes)}
+    R["spec_hit_ms"] = {r: statistics.median(v) for r, v in spec_rounds.items()}
+    R["spec_hit_rounds_ms"] = spec_rounds
+    R["spec_vs_trunk"] = {r: round(v / R["trunk_hit_ms"], 3) for r, v in R["spec_hit_ms"].items()}
+    if dev.type == "cuda":
+        R["trunk_hit_outside_graph_ms"] = round(R["trunk_hit_ms"] - R["trunk_hit_graph_ms"], 3)
+        R["spec_hit_outside_graph_ms"] = {r: round(R["spec_hit_ms"][r] - g, 3)
+                                          for r, g in R["spec_hit_graph_ms"].items() if g}
+    for r in range(args.routes):
         log("specialists hit, route", r, R["spec_hit_ms"][r], "ms; graph", R["spec_hit_graph_ms"][r], "ratio",
             R["spec_vs_trunk"][r])
     if dev.type == "cuda" and R["trunk_hit_graph_ms"]:
@@ -363,6 +402,7 @@ def run(args):
     if dev.type == "cuda":
         try:
             R["projections"] = lora_only_ms(spec, model, dev, dtype, Q)
+            spec.lora.forget_route()  # its masking graph's replays rewrote B_fixed unseen by the host
             R["lora_terms_only_graph_ms"] = R["projections"]["lora_terms_only_graph_ms"]
             log("the adapted sites' projections (one graph each way)", R["projections"])
             if not args.skip_profile:
@@ -447,6 +487,7 @@ def main():
     ap.add_argument("--state", type=int, default=4096)
     ap.add_argument("--question", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the trunk's and every route's hit timings")
     ap.add_argument("--cache-mb", type=int, default=8192)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--skip-plain", action="store_true")

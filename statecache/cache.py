@@ -182,15 +182,16 @@ class StateCache:
         spec, fsum_buf = self.runner.spec, self.runner.fsum
         fsum = None
         if spec is not None:  # the router's feature sum over [0, position), carried by checkpoints
-            fsum = best.payload[2].clone() if best is not None else torch.zeros_like(fsum_buf)
+            # never changed in place (each chunk's sum is a new tensor): the checkpoint's needs no copy, and a
+            # snapshot may keep the running sum itself
+            fsum = best.payload[2] if best is not None else torch.zeros_like(fsum_buf)
         snaps = []
         for a, b, plant in chunks:
             self.runner.run(ids, a, b, route=route, images=images)
             if fsum is not None:
-                fsum += fsum_buf
+                fsum = fsum + fsum_buf
             if plant:
-                snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone(),
-                              fsum.clone() if fsum is not None else None))
+                snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone(), fsum))
             if self.between is not None:  # chunked prefill: short work that arrived meanwhile runs now
                 self.in_row = True  # the runner's buffers hold this row's state: no `row` until it returns
                 try:
@@ -199,8 +200,7 @@ class StateCache:
                     self.in_row = False
         out = self.runner.run(ids, p, n, slots, nopts, route=route, images=images)
         if fsum is not None:
-            fsum += fsum_buf
-            route = spec.router.pick(fsum, n)
+            route = spec.router.pick(fsum + fsum_buf, n)
         probs = self.runner.read(out, len(slots))  # waits for the GPU
         return probs, snaps, route, c0
 

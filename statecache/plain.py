@@ -259,6 +259,8 @@ class PlainPath:
                 return None
             g.inp.copy_(inp)  # from pageable memory: the host tensor may go as soon as this returns
             g.graph.replay()
+            if self.spec is not None:  # the replay masked B_fixed with the row's route, unseen by the host
+                self.spec.lora.forget_route()
             out, route = g.out, g.route
         else:
             route = torch.zeros(1, dtype=torch.long, device=self.model.device)

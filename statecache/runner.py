@@ -4,7 +4,9 @@ Graphs are keyed by (bucketed chunk length, attention span) only; chunk start, r
 the rotary shift (image rows: position - index of the chunk's text, 0 otherwise), answer slots and their option
 counts live in device buffers read inside the graph, so one graph serves every row, position and route. A chunk
 holding image tokens runs eagerly with its multimodal positions and image embeddings
-(statecache.vision.RowImages.chunk), with its route like any other.
+(statecache.vision.RowImages.chunk), with its route like any other. With specialists the route's masked adapters
+(statecache.specialists.lora's B_fixed) are prepared before each run, outside the graph, and only when the route
+changed since the buffer was last masked (`StackedLora.hold_route`): a graph replay only reads them.
 All graphs share one memory pool. Capturing runs the chunk twice to warm up, which overwrites the state buffers:
 callers `ensure` every shape a row needs *before* restoring its checkpoint. A shape that fails to capture is
 remembered as failed and reported through `ensure` (the row then takes the plain path).
@@ -109,7 +111,8 @@ class ChunkRunner:
     def _forward(self, g: _Graph, L: int, span: int, mm=None) -> torch.Tensor:
         """mm: None, or (positions [3, L], embeds) for a chunk holding image tokens (eager only)."""
         mix = ChunkMixer(self.kernels, self.st, L, span, g.start, g.real)
-        lora = None if self.spec is None else FixedRoute(self.spec.lora, self.spec.router, g.route)
+        # the route's masked adapters are held before the forward (_hold), not masked inside it
+        lora = None if self.spec is None else FixedRoute(self.spec.lora, self.spec.router, g.route, owner=self)
         if mm is None:
             h = self.model.body(g.ids, mix.pos + g.shift, mix, lora)  # [L, H]
         else:
@@ -130,12 +133,18 @@ class ChunkRunner:
         """The shape's graph; None when it fails to capture (rows needing it take the plain path)."""
         self.kv_owner = None  # the warm-up runs overwrite the state buffers
         g = self._buffers(pack_inputs(L, self.max_slots, scalars=(0, L, 0, 0)).to(self.device), L)
+        self._hold(0, g)  # the warm-up runs and the capture read B_fixed (their results are dropped)
         got = try_capture(lambda: self._forward(g, L, span), self.pool, self.stats, self.failures, f"chunk ({L}, {span})")
         if got is None:
             return None
         g.graph, g.out = got
         g.staging = Staging(g.inp)
         return g
+
+    def _hold(self, route: int, g: _Graph) -> None:
+        """Specialists: B_fixed holds `route` (g.route on the device) for this runner's next forward."""
+        if self.spec is not None:
+            self.spec.lora.hold_route(route, g.route, self)
 
     def ensure(self, chunks: list[tuple[int, int]]) -> bool:
         """Capture the graphs for these chunks [(s, e)] now (before any restore). False if one cannot be run."""
@@ -178,16 +187,21 @@ class ChunkRunner:
         shift = images.shift(s) if images is not None else 0
         if images is not None and images.has_image(s, e):  # eagerly, with positions and embeddings
             inp = pack_inputs(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s, route, shift))
+            g = self._buffers(inp.to(self.device), L)
+            self._hold(route, g)
             with torch.no_grad():
-                return self._forward(self._buffers(inp.to(self.device), L), L, span, images.chunk(s, e, L))
+                return self._forward(g, L, span, images.chunk(s, e, L))
         if not self.use_graphs:
             inp = pack_inputs(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s, route, shift))
+            g = self._buffers(inp.to(self.device), L)
+            self._hold(route, g)
             with torch.no_grad():
-                return self._forward(self._buffers(inp.to(self.device), L), L, span)
+                return self._forward(g, L, span)
         g = self.graphs.get(key)
         if g is None:
             raise NotCaptured(f"no graph for {key}")
         g.staging.send(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s, route, shift))
+        self._hold(route, g)
         g.graph.replay()
         return g.out
 

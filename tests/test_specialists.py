@@ -276,6 +276,95 @@ def test_one_graph_serves_every_route(fake_graphs):  # noqa: F811
     assert cache.stats["mispredict"] >= 1
 
 
+@pytest.fixture
+def gpu_like_graphs(monkeypatch):
+    """Stand-in graphs whose replay, like a CUDA graph's, runs no Python: the captured function re-runs for its
+    tensors' effects, then the specialists' host bookkeeping (which route B_fixed holds) is put back as it was."""
+    from statecache import graphs as graphs_mod
+
+    _, _, _, spec = world()
+    lora = spec.lora
+
+    class Replay:
+        def __init__(self, fn, out):
+            self.fn, self.out = fn, out
+
+        def replay(self):
+            seen = lora.fixed_route, lora.fixed_owner
+            self.out.copy_(self.fn())
+            lora.fixed_route, lora.fixed_owner = seen
+
+    def capture(fn, pool, warmup=2):
+        for _ in range(warmup):
+            fn()
+        out = fn()
+        return Replay(fn, out), out
+
+    monkeypatch.setattr(graphs_mod, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+
+def test_hits_mask_the_adapters_only_when_the_route_changes(gpu_like_graphs, monkeypatch):
+    """The chunk runner's graphs do not mask B_fixed: it is masked before a run, outside the graph, only when the
+    route differs from the one it holds, so a hit of the same route as the last forward masks nothing (and every
+    route's hit does the same host work); the answers stay the plain path's."""
+    from statecache.specialists.lora import StackedLora
+
+    _, _, _, spec = world()
+    masks = []  # each mask's host-known route (None: known on the device only)
+    real = StackedLora.mask_route
+
+    def counted(self, route, owner, known=None):
+        masks.append(known)
+        real(self, route, owner, known)
+    monkeypatch.setattr(StackedLora, "mask_route", counted)
+    cache = make_cache(True, spec, graphs=True)
+    A = toks(300, 21)
+    qs = [toks(14, 400 + k) for k in range(6)]
+    for r in (2, 0):
+        with router_forced(spec, r):
+            cache.clear()
+            assert ask(cache, A + qs[0], 300, [313], [4], guess=r).path == "cold"
+            del masks[:]  # ask's plain reference masks too (in its own forward)
+            probs = [plain_answer(A + q, [313], [4]) for q in qs[1:4]]
+            del masks[:]
+            for q, (want, route) in zip(qs[1:4], probs):
+                ans = cache.row(A + q, 300, [313], [4])
+                assert ans.path == "hit" and ans.route == route == r
+                assert_close(ans.probs, want)
+            assert masks == [r]  # the first hit after the plain reference's forwards; then none
+            for q in qs[4:]:
+                assert cache.row(A + q, 300, [313], [4]).path == "hit"
+            assert masks == [r]
+
+
+def test_a_lone_plain_graph_between_hits_makes_the_next_hit_mask(gpu_like_graphs):
+    """A lone plain row's graph masks B_fixed with its own route inside the replay, unseen by the host: the plain
+    path forgets the held route, so the next hit masks its route again instead of reading the plain row's."""
+    _, _, model, spec = world()
+    cache = make_cache(True, spec, graphs=True)
+    lone = PlainPath(model, TorchKernels(), graphs=True, specialists=spec)
+    A = toks(300, 22)
+    row = toks(40, 23)
+    with router_forced(spec, 3):  # the lone row's graph captured now: below it is only replayed
+        assert lone.answer([(row, [39], [4])])[0][1] == 3
+        assert list(lone.graphs) == [(64, 4)] and lone.graphs[(64, 4)] is not None
+    with router_forced(spec, 1):
+        want = [plain_answer(A + toks(14, 500 + k), [313], [4]) for k in range(2)]
+        assert cache.row(A + toks(14, 499), 300, [313], [4]).route == 1
+        ans = cache.row(A + toks(14, 500), 300, [313], [4])
+        assert ans.path == "hit" and spec.lora.fixed_route == 1
+        assert_close(ans.probs, want[0][0])
+    with router_forced(spec, 3):
+        assert lone.answer([(row, [39], [4])])[0][1] == 3  # one replay, masking route 3 unseen
+    assert spec.lora.fixed_route is None
+    with router_forced(spec, 1):
+        ans = cache.row(A + toks(14, 501), 300, [313], [4])
+        assert ans.path == "hit" and ans.route == 1
+        assert_close(ans.probs, want[1][0])
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(st.sampled_from(["new", "same", "grow", "middle"]), st.integers(0, 10**6),
                               st.one_of(st.none(), st.integers(0, len(ROUTES) - 1))), min_size=3, max_size=6),
@@ -723,7 +812,8 @@ def _ops(fn) -> list[str]:
 
 def test_projection_kernels_per_site():
     """The work per site: a fixed route costs one GEMM with the extended weight and one addmm (its route masked once
-    per forward: a comparison and one multiply per block size); token routes one mask more; no adapter: one GEMM."""
+    per forward: a comparison and one multiply per block size; none with an owner, which holds the route masked
+    itself: the chunk runner); token routes one mask more; no adapter: one GEMM."""
     from statecache.specialists import FixedRoute, TokenRoutes
 
     _, _, model, spec = world()
@@ -731,6 +821,17 @@ def test_projection_kernels_per_site():
     lora = spec.lora
     route = torch.tensor([2])
     assert _ops(lambda: FixedRoute(lora, spec.router, route)) == ["eq"] + ["mul"] * len(lora.B_src)
+    assert _ops(lambda: FixedRoute(lora, spec.router, route, owner=object())) == []
+    owner = object()
+    assert _ops(lambda: lora.hold_route(2, route, owner)) == ["eq"] + ["mul"] * len(lora.B_src)
+    assert _ops(lambda: lora.hold_route(2, route, owner)) == [] and lora.fixed_owner is owner  # held already
+    held = FixedRoute(lora, spec.router, route, owner=owner)
+    W = lora.weight(model.w, (3, "gate_up"))
+    x = torch.randn(5, W.shape[1])
+    got = held.project(3, "gate_up", x, W)
+    assert torch.equal(got, FixedRoute(lora, spec.router, route).project(3, "gate_up", x, W))
+    with pytest.raises(RuntimeError, match="rewritten"):  # the plain binding just masked: not the owner's any more
+        held.project(3, "gate_up", x, W)
     fixed = FixedRoute(lora, spec.router, route)
     tokens = TokenRoutes(lora, spec.router, torch.tensor([0, 1, 2, 3, 1]))
     for key in lora.layout:

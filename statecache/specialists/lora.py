@@ -16,15 +16,20 @@ points the model's W at its first `out` rows (a view: the trunk's own matmul rea
 the weights are not held twice). One GEMM y_full = x @ W_ext.T then gives the projection y = y_full[:, :out] and
 every route's x @ A_k.T in y_full[:, out:] (xa, [T, (R-1) * rb]); one more GEMM adds xa @ B_cat into y in place,
 with B_cat [(R-1) * rb, out] every route's B_k.T stacked. The route selects which part of B_cat counts:
-- one route for every token (`FixedRoute`: the chunk runner; `RoutedRows` with one row: a lone plain row): once per
-  forward, one elementwise pass per block size writes every site's B_cat with the other routes' rows zeroed into a
-  resident buffer (route 0, the trunk: all zeros), so each site costs the extended GEMM and one addmm;
+- one route for every token (`FixedRoute`: the chunk runner; `RoutedRows` with one row: a lone plain row): one
+  elementwise pass per block size writes every site's B_cat with the other routes' rows zeroed into a resident
+  buffer B_fixed (route 0, the trunk: all zeros), so each site costs the extended GEMM and one addmm. A lone plain
+  row masks once per forward (its route is decided inside it); the chunk runner, whose route is known on the host,
+  masks outside its forwards and only when the route changes (`StackedLora.hold_route`: a hit of the route the
+  buffer already holds does no masking at all), so its graphs only read B_fixed;
 - a route per token (`TokenRoutes`: batched hits of rows with different routes; `RoutedRows` with several rows:
   the packed plain path): a [T, R-1] token-route mask made once per forward zeroes each token's other routes' part
   of xa (one elementwise kernel per site) before the addmm with the whole B_cat.
-The route is a device tensor read inside the forward, so one CUDA graph serves every route. The model calls a
-binding's `attach` with its weights, its `feature` with the hidden state entering the router's layer and its
-`project(i, site, x, W)` in place of x @ W.T at every projection.
+The route is a device tensor read inside the forward, so one CUDA graph serves every route. B_fixed's route is
+tracked on the host (`fixed_route`): every mask sets it (None when the route is known on the device only), and
+whoever replays a graph that masks inside (statecache.plain's lone-row graphs) calls `forget_route` after it.
+The model calls a binding's `attach` with its weights, its `feature` with the hidden state entering the router's
+layer and its `project(i, site, x, W)` in place of x @ W.T at every projection.
 Knows nothing of files (statecache.specialists.folder), checkpoints or rows.
 """
 
@@ -94,7 +99,8 @@ class StackedLora:
     Sites are keyed by (layer, name: in | out | qkv | o | gate_up | down). A [(R-1) * rb, in] per site waits on the
     host until `attach` folds it into the model's weights; B_cat [(R-1) * rb, out] per site lives on the device in
     one [sites, R-1, rb * out] stack per block size (`B_src`), next to a same-shaped buffer (`B_fixed`) that
-    `mask_route` fills with one route's rows (the others zero)."""
+    `mask_route` fills with one route's rows (the others zero); `fixed_route` is that route when the host knows it
+    (set by `hold_route`), else None."""
 
     def __init__(self, n_routes: int, sites: dict[tuple[int, str], Site], device="cpu", dtype=torch.float32):
         if not sites:
@@ -136,7 +142,8 @@ class StackedLora:
         esize = torch.empty((), dtype=dtype).element_size()
         # device bytes the specialists add: the A rows in the extended weights, B_src and B_fixed
         self.nbytes = esize * (sum(a.numel() for a in self._A.values()) + 2 * sum(b.numel() for b in self.B_src))
-        self.fixed_owner = None  # the binding whose route B_fixed holds
+        self.fixed_owner = None  # the binding (or the chunk runner) whose route B_fixed holds
+        self.fixed_route: int | None = None  # that route when known on the host (hold_route), else None
         self._ext: dict[tuple[int, str], torch.Tensor] = {}  # site -> W_ext of the weights attached
         self._weights = None  # weakref to the Weights attached
 
@@ -211,13 +218,31 @@ class StackedLora:
 
     # ---- per forward ------------------------------------------------------------------------------------------------
 
-    def mask_route(self, route: torch.Tensor, owner) -> None:
+    def mask_route(self, route: torch.Tensor, owner, known: int | None = None) -> None:
         """B_fixed = every site's B_cat with only `route`'s rows kept (route 0: all zeros); route a long device
-        tensor of one element. One elementwise kernel per block size (plus one comparison)."""
+        tensor of one element, `known` its value when the host knows it (never inside a graph capture: a replay
+        would rewrite B_fixed unseen). One elementwise kernel per block size (plus one comparison)."""
+        if known is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a route known on the host is masked outside graph captures (hold_route)")
         keep = (self.route_ids == route.reshape(1)).view(1, -1, 1)  # [1, Rp, 1] bool
         for src, fixed in zip(self.B_src, self.B_fixed):
             torch.mul(src, keep, out=fixed)
+        self.fixed_owner, self.fixed_route = owner, known
+
+    def hold_route(self, route: int, route_t: torch.Tensor, owner) -> bool:
+        """Make B_fixed hold `route` (route_t: the same as a long device tensor of one element) for `owner`'s
+        forwards (FixedRoute bindings made with owner=): masked unless it holds that route already. True when it
+        masked. Call it outside graph captures, before every forward that reads B_fixed."""
         self.fixed_owner = owner
+        if self.fixed_route == route:
+            return False
+        self.mask_route(route_t, owner, int(route))
+        return True
+
+    def forget_route(self) -> None:
+        """B_fixed may have been rewritten where the host could not see (a graph replay that masks inside): the next
+        hold_route masks."""
+        self.fixed_route = None
 
 
 class _Binding:
@@ -227,6 +252,7 @@ class _Binding:
         self.lora, self.router, self.router_layer = lora, router, router.layer
         self.f: torch.Tensor | None = None
         self._fixed = False  # one route for every token: B_fixed holds it
+        self._owner: object = self  # whose route B_fixed must hold when a fixed route projects
         self._tok: torch.Tensor | None = None  # else [T, Rp, 1]: 1 where a token runs with that adapter route
 
     def attach(self, weights) -> None:
@@ -256,7 +282,7 @@ class _Binding:
         y_full = x @ self.lora.extended(key, W).T  # [T, out + Rp * rb]
         y, xa = y_full[:, : lay.out], y_full[:, lay.out :]
         if self._fixed:
-            if self.lora.fixed_owner is not self:
+            if self.lora.fixed_owner is not self._owner:
                 raise RuntimeError("another binding has rewritten the fixed-route adapters since this one masked them")
             return y.addmm_(xa, self.lora._Bf[key])
         if self._tok is None:
@@ -267,12 +293,17 @@ class _Binding:
 
 class FixedRoute(_Binding):
     """Every token runs with `route` (a long device tensor of one element): every site's B_cat is masked to that
-    route once, here, so each site costs its extended GEMM and one addmm. `feature` keeps the tokens' router
-    features f [T, H] (float32) for the caller to sum over its real tokens."""
+    route once, here, so each site costs its extended GEMM and one addmm; with `owner` given nothing is masked here:
+    the owner makes B_fixed hold the route (`StackedLora.hold_route`) before each forward (the chunk runner, so its
+    graphs do not mask). `feature` keeps the tokens' router features f [T, H] (float32) for the caller to sum over
+    its real tokens."""
 
-    def __init__(self, lora: StackedLora, router, route: torch.Tensor):
+    def __init__(self, lora: StackedLora, router, route: torch.Tensor, owner=None):
         super().__init__(lora, router)
-        self._fix(route)
+        if owner is None:
+            self._fix(route)
+        else:
+            self._fixed, self._owner = True, owner
 
 
 class TokenRoutes(_Binding):
