@@ -517,9 +517,10 @@ def markdown(res: dict) -> str:
                      f"{fmt(hit.get('p99_ms'))} | {fmt(s['reused_vs_unbounded'])} | {fmt(s['reused_of_all_tokens'])} |")
     phases = [(n, s.get("worker_stats", {}).get("engine", {}).get("phases")) for n, s in cfgs.items()]
     if any(ph for _, ph in phases):  # the engine's wall seconds per phase since start-up (Engine.stats()["phases"])
-        lines += ["", "Where the engine's time went, since start-up (seconds, rows; packed includes the callbacks made "
-                  "inside it): " + "; ".join(
-                      f"{n} agents: batched {ph['batched_s']:.1f} s / {ph['batched_rows']}, packed {ph['packed_s']:.1f} s / "
+        lines += ["", "Where the engine's time went, since start-up (seconds, rows; the planting graphs and packed "
+                  "forwards include the callbacks made inside them): " + "; ".join(
+                      f"{n} agents: batched {ph['batched_s']:.1f} s / {ph['batched_rows']}, planting graphs "
+                      f"{ph.get('graph_s', 0):.1f} s / {ph.get('graph_rows', 0)}, packed {ph['packed_s']:.1f} s / "
                       f"{ph['packed_rows']}, one at a time {ph['one_by_one_s']:.1f} s / {ph['one_by_one_rows']}, "
                       f"between {ph['between_s']:.1f} s / {ph['between_calls']} calls" for n, ph in phases if ph)]
     timing = [(n, s.get("worker_stats", {}).get("worker", {}).get("timing")) for n, s in cfgs.items()]

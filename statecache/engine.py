@@ -150,10 +150,10 @@ class Engine:
         self._early = None  # (on_result, indices handed back) while `answer` runs
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
         # wall seconds and rows per phase of `_run` (the GPU is synchronised at the end of each phase, so these are
-        # where a batch's time goes); the packed forward's seconds include the `between` callbacks made inside it,
-        # which are also counted on their own (between_s)
-        self.phases = {**{f"{k}_{u}": 0 for k in ("batched", "packed", "one_by_one") for u in ("s", "rows")},
-                       "packed_cpu_s": 0, "between_s": 0, "between_cpu_s": 0, "between_calls": 0}
+        # where a batch's time goes); a new state's planting graph (graph_*) and a packed forward (packed_*) include
+        # the `between` callbacks made inside them, which are also counted on their own (between_s)
+        self.phases = {**{f"{k}_{u}": 0 for k in ("batched", "packed", "graph", "one_by_one") for u in ("s", "rows")},
+                       "packed_cpu_s": 0, "graph_cpu_s": 0, "between_s": 0, "between_cpu_s": 0, "between_calls": 0}
 
     def _warm_packed(self) -> float:
         """Run the packed forward (eager: nothing to capture) on dummy rows of a few lengths, planting and not, so
@@ -537,6 +537,7 @@ class Engine:
         """One forward of the plain path: entries (memo key, (row, result indices, plants)); a failure fails only
         its rows."""
         t0, c0 = time.perf_counter(), time.thread_time()
+        by_graph = self.plain.stats.get("planting_graph_rows", 0)
         try:
             outs, planted = self.plain.run(rows, plans, between=self.cache.between)
         except RowError as e:  # an image that decoded when checked but not now: the rows of this forward fail
@@ -550,7 +551,8 @@ class Engine:
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        self._phase("packed", len(entries), t0, c0)
+        # a new state's planting graph ("graph") or a packed forward ("packed"); both include the `between` stops
+        self._phase("graph" if self.plain.stats.get("planting_graph_rows", 0) > by_graph else "packed", len(entries), t0, c0)
         for (key, (row, idx, plant)), (probs, route), pl in zip(entries, outs, planted):
             if plant:
                 try:

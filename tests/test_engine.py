@@ -610,6 +610,10 @@ def test_stats_say_where_a_batch_spent_its_time(engine):
     ph = eng.stats()["phases"]
     assert ph["batched_rows"] == 1 and ph["batched_s"] > 0 and ph["packed_rows"] == 2
     assert ph["between_calls"] == len(calls) > 0 and ph["between_s"] >= 0
+    eng = engine(plant_graphs=True)  # a new state through its planting graph (eagerly here): its own phase
+    eng.answer([row(a, 5, 1)])
+    ph = eng.stats()["phases"]
+    assert ph["graph_rows"] == 1 and ph["graph_s"] > 0 and ph["packed_rows"] == 0
 
 
 def test_new_states_plant_one_forward_each_and_answer_in_turn(engine, monkeypatch):

@@ -215,4 +215,4 @@ def test_profile_a_running_worker(redis_url, queue_name, engine):
         answers, got, after = run(main())
     assert all("probs" in a for a in answers) and "probs" in after
     assert got["seconds"] == 1.0 and "aten::" in got["host_table"] and "Name" in got["device_table"]
-    assert got["phases"]["packed_rows"] + got["phases"]["batched_rows"] + got["phases"]["one_by_one_rows"] >= 1
+    assert got["phases"]["packed_rows"] + got["phases"]["graph_rows"] + got["phases"]["batched_rows"] + got["phases"]["one_by_one_rows"] >= 1
