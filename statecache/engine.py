@@ -241,11 +241,12 @@ class Engine:
     def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None, between=None,
                on_result=None) -> list[dict]:
         """One result per row, in order. waiting_rows: rows queued behind this batch (for the cold_ok policy).
-        between: called between the chunks of a long cached forward (a new state's), so the caller can answer rows
-        that arrived meanwhile with `answer_ready` (chunked prefill). on_result(i, result): called as soon as row
-        i's result is known, before the batch's long work (a packed forward, rows one at a time) runs, so a caller
-        can hand hits back early; rows not handed back that way are in the returned list only (which has them
-        all). backed_up: the old signature's flag, accepted from callers not yet updated and ignored."""
+        between: called between the pieces of a long forward (a new state's planting graph, every few layers of a
+        packed forward, the chunks of the cache's chunked path), so the caller can answer rows that arrived
+        meanwhile with `answer_ready` (chunked prefill). on_result(i, result): called as soon as row i's result is
+        known (after the first batched calls, after each new state's forward, after each row run alone), so a
+        caller can hand rows back before the batch's later work ends; rows not handed back that way (repeats of a
+        row in the same batch) are in the returned list only (which has them all). backed_up: the old signature's flag, accepted from callers not yet updated and ignored."""
         self.cache.between = None if between is None else self._timed_between(between)
         results: list[dict | None] = [None] * len(rows)
         self._early = (on_result, set()) if on_result is not None else None

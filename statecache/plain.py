@@ -118,8 +118,8 @@ class PlainPath:
         """rows: (ids, slots, nopts) or (ids, slots, nopts, images) each; plans: per row its checkpoint positions
         (ascending, in (0, len(ids)]) or None -> (per row (per slot the option probabilities, its route or None); per
         row its Planted, None where its plan was). Planting is trunk only: with specialists, plans must all be None.
-        between: called every few layers of a packed forward (chunked prefill: the caller answers short work that
-        arrived meanwhile)."""
+        between: called every few layers of a packed forward, and between the pieces of a planting graph (chunked
+        prefill: the caller answers short work that arrived meanwhile)."""
         plans = plans if plans is not None else [None] * len(rows)
         if len(plans) != len(rows):
             raise ValueError(f"{len(plans)} plans for {len(rows)} rows")

@@ -252,8 +252,9 @@ class PlantGraph:
     captured once per (T, slot bucket) and cut into pieces every `every` layers, so that a caller's `between` (short
     work that arrived meanwhile) runs between the pieces, as it does between the layers of an eager packed forward.
     The checkpoints come out of that same forward with their positions as data: chunk-aligned positions take the
-    delta rule's own per-chunk states (`kernels.delta_states`), at most one unaligned position (the state end
-    minus the cache's tail) its chunk start's state advanced by the one-chunk kernel; conv tails are gathered, K/V
+    delta rule's own per-chunk states (`kernels.delta_states`), at most one unaligned position (with the cache
+    aligned to less than 64 tokens; at the default 64 every position is a chunk start) its chunk start's state
+    advanced by the one-chunk kernel; conv tails are gathered, K/V
     copied out of static buffers. So a new state costs its plain forward plus those copies, with no Python per
     delta-rule call and no capture while serving (`precapture`). A plan this layout cannot hold (more than
     SNAP_SLOTS - 1 aligned positions, two unaligned ones, a first position inside the conv window) or a shape with
@@ -294,7 +295,8 @@ class PlantGraph:
 
     def layout(self, plan: list[int], T: int) -> tuple[list[int], list[int]] | None:
         """plan (ascending positions) -> (the idx buffer's values, each position's slot), or None when the layout
-        cannot hold it. Unused slots read position 0 (zeros, never planted)."""
+        cannot hold it (see the class docstring; also a position at or past the padded end T). Unused slots gather
+        the conv inputs at position 0 and the state at chunk 0; they are never planted."""
         M, W1 = SNAP_SLOTS, self.W1
         aligned = [c for c in plan if c % CHUNK == 0]
         odd = [c for c in plan if c % CHUNK]
@@ -410,6 +412,7 @@ class PlantGraph:
     def run(self, ids, slots, nopts, plan: list[int], slot_buckets, between=None):
         """-> (probs per slot, Planted), or None when the row cannot run here (see `can`). Never captures: a shape
         without a graph gives None."""
+        plan = _check_plan(plan, len(ids))
         if not self.can(len(ids), len(slots), plan, slot_buckets):
             return None
         from .graphs import fill_inputs

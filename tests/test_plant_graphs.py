@@ -151,3 +151,28 @@ def test_in_graph_mode_a_shape_without_a_graph_runs_packed(cpu_graph_mode):
     pp._single = monkeypatch_single
     assert_close(outs[0][0], reference(a, [319], [4]))
     assert planted[0].positions == plan and pp.stats["captures"] == captures  # packed; nothing captured meanwhile
+
+
+@pytest.mark.parametrize("plan", [[64, 176, 192], [4], [63], [64, 128, 129], [100]])
+def test_an_unaligned_position_is_advanced_from_its_chunk_start(plan):
+    """A plan with one position off the 64-token chunks (a cache aligned to less than 64, or a tail that is not a
+    multiple of it): its state is its chunk start's advanced through the tokens before it, the rest of the chunk
+    masked out; all of it equals the packed planting forward's (which splits the delta rule there)."""
+    pg = planter(every=2)
+    n = 300
+    ids = toks(n, 60 + plan[-1])
+    assert pg.layout(plan, 384) is not None
+    probs, pl = pg.run(ids, [n - 1], [4], plan, SLOT_BUCKETS)
+    assert_close(probs, reference(ids, [n - 1], [4]))
+    _, (want,) = plain_path().run([(ids, [n - 1], [4])], [plan])
+    assert pl.positions == want.positions
+    for name, a, b in (("S", pl.S, want.S), ("conv", pl.conv, want.conv)):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    for x, y in ((pl.K, want.K), (pl.V, want.V)):  # the split delta rule rounds differently upstream: within 1e-4
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-4)
+
+
+def test_a_plan_past_the_row_is_refused():
+    with pytest.raises(ValueError):
+        planter().run(toks(200, 1), [199], [4], [64, 250], SLOT_BUCKETS)
