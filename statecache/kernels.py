@@ -209,6 +209,7 @@ class FlaKernels(TorchKernels):
 
         self._conv = causal_conv1d
         self._gdr = chunk_gated_delta_rule
+        self._states_ok: bool | None = None  # states_ok's answer, once checked
         self._varlen_memo: deque = deque(maxlen=64)  # (offsets tensor, fla's varlen arguments): see _fla_varlen
         try:
             from torch.nn.attention.varlen import varlen_attn
@@ -318,7 +319,7 @@ class FlaKernels(TorchKernels):
         """Does `delta_states` give `delta`'s output, and at each chunk start the final state of `delta` over the
         tokens before it (within the model dtype's rounding of the state)? Checked once, at the 9B shape's heads;
         any failure (fla's internals moved) turns the planting graphs off."""
-        if getattr(self, "_states_ok", None) is None:
+        if self._states_ok is None:
             try:
                 gen = torch.Generator(device="cuda").manual_seed(0)
                 T, Hk, Hv, D = 200, 2, 4, 128

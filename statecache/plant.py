@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .graphs import fill_inputs, side_stream
 from .mixers import PackedMixer
 
 
@@ -271,6 +272,7 @@ class PlantGraph:
         self.W1 = model.cfg.linear_conv_kernel_dim - 1
         self.graphs: dict[tuple[int, int], _Pieces | None] = {}
         self._bufs: dict | None = None
+        self._stream = None  # the one stream every capture records on (made on the first capture)
 
     def bufs(self) -> dict:
         """The static buffers, shared by every shape (allocated on first use, sized for max_tokens)."""
@@ -333,8 +335,6 @@ class PlantGraph:
         T, S = key
         p = self._new(T, S)
         t0 = time.perf_counter()
-        from .graphs import side_stream
-
         try:
             side = side_stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -353,7 +353,9 @@ class PlantGraph:
                 state["g"] = torch.cuda.CUDAGraph()
                 state["g"].capture_begin(pool=self.pool)
 
-            stream = self._stream = getattr(self, "_stream", None) or torch.cuda.Stream()  # one capture stream
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            stream = self._stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
                 state["g"].capture_begin(pool=self.pool)
@@ -402,23 +404,27 @@ class PlantGraph:
             self.graphs[key] = self._capture(key)
         return self.graphs[key] is not None
 
-    def can(self, n: int, n_slots: int, plan: list[int], slot_buckets) -> bool:
-        """Would `run` take this row (a layout for its plan, a graph for its shape, or eager mode)?"""
+    def _fit(self, n: int, n_slots: int, plan: list[int], slot_buckets):
+        """(key, layout) of a row `run` can take (a layout for its plan, a graph for its shape, or eager mode), or
+        None."""
         key = self.key(n, n_slots, slot_buckets)
-        if key is None or self.layout(plan, key[0]) is None:
-            return False
-        return not self.use_graphs or self.graphs.get(key) is not None
+        if key is None or (self.use_graphs and self.graphs.get(key) is None):
+            return None
+        lay = self.layout(plan, key[0])
+        return None if lay is None else (key, lay)
+
+    def can(self, n: int, n_slots: int, plan: list[int], slot_buckets) -> bool:
+        """Would `run` take this row?"""
+        return self._fit(n, n_slots, plan, slot_buckets) is not None
 
     def run(self, ids, slots, nopts, plan: list[int], slot_buckets, between=None):
         """-> (probs per slot, Planted), or None when the row cannot run here (see `can`). Never captures: a shape
         without a graph gives None."""
         plan = _check_plan(plan, len(ids))
-        if not self.can(len(ids), len(slots), plan, slot_buckets):
+        fit = self._fit(len(ids), len(slots), plan, slot_buckets)
+        if fit is None:
             return None
-        from .graphs import fill_inputs
-
-        T, S = self.key(len(ids), len(slots), slot_buckets)
-        idx, slot_of = self.layout(plan, T)
+        (T, S), (idx, slot_of) = fit
         p = self._new(T, S) if not self.use_graphs else self.graphs[(T, S)]
         host = torch.empty(T + 2 * S, dtype=torch.long)
         fill_inputs(host.numpy(), T, S, ids, slots, nopts)
