@@ -4,7 +4,7 @@
 
 A 4k-token state is planted once (the tiny model's engine, CPU, eager batched forward), then rows of that state
 with a new question each (so no memo hit) are answered one at a time, as `statecache score` does: a JSON line in
-(`json.loads`), `Engine.answer([row])`, a JSON line out (`json.dumps`). Each part of the engine's path is timed by
+(`statecache.cli.loads_line`: orjson, else json), `Engine.answer([row])`, a JSON line out (`json.dumps`). Each part of the engine's path is timed by
 wrapping the function that does it (time.perf_counter, medians over --reps rows); the model's forward
 (`BatchRunner._forward`, the part a CUDA graph replay replaces on the GPU) is timed apart and subtracted from the
 whole, which leaves the host time of a hit. The CPU forward evicts the host's caches, so the host parts run
@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     from statecache.engine import Engine
 
     torch.set_num_threads(1)
+    from statecache.cli import loads_line
+
     eng = Engine(None, "cpu", "float32", cache_mb=256)
     rng = random.Random(0)
     n, q = args.tokens, args.question
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     def one(text: str, keep: bool) -> str:
         cur.clear()
         t0 = time.perf_counter()
-        row = json.loads(text)
+        row = loads_line(text)
         t1 = time.perf_counter()
         res = eng.answer([row])[0]
         t2 = time.perf_counter()
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
         t3 = time.perf_counter()
         assert res["path"] == "hit", res
         if keep:
-            acc["json.loads (score's read)"].append(t1 - t0)
+            acc["loads_line (score's read)"].append(t1 - t0)
             acc["Engine.answer (all)"].append(t2 - t1)
             acc["json.dumps (score's write)"].append(t3 - t2)
             for label, _, _ in PARTS:
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     for owner, attr, fn in undo:
         setattr(owner, attr, fn)
 
-    order = ["json.loads (score's read)", *[p[0] for p in PARTS], "Engine.answer (all)", "json.dumps (score's write)",
+    order = ["loads_line (score's read)", *[p[0] for p in PARTS], "Engine.answer (all)", "json.dumps (score's write)",
              "Engine.answer minus forward", "score row minus forward (loads + answer + dumps)"]
     res = {k: round(1e6 * statistics.median(acc[k]), 1) for k in order}
     width = max(map(len, res))

@@ -280,6 +280,7 @@ async def run_agents(client: Client, trace: AgentTrace, seconds: float, max_rows
             try:
                 res = await client.answer(row.wire(), timeout_s=timeout_s)
                 rec.path, rec.reused, rec.computed = res["path"], int(res["reused"]), int(res["computed"])
+                rec.probs = res["probs"]
             except (RowRejected, AnswerTimeout, WorkerError) as e:
                 rec.error = f"{type(e).__name__}: {str(e)[:120]}"
             rec.ms = 1e3 * (time.perf_counter() - t0)
@@ -297,7 +298,13 @@ async def run_agents(client: Client, trace: AgentTrace, seconds: float, max_rows
     return records, last_done[0] - t_start
 
 
-async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: dict, save=lambda: None) -> dict:
+CHECK_ROWS = 24  # the worker's answers to this many rows of its first configuration are asked again of score
+
+
+async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: dict, save=lambda: None,
+                       check: list | None = None) -> dict:
+    """The agents' configurations through the worker; check (a list): filled with (row, the worker's answer) for
+    CHECK_ROWS answered rows of the first configuration, spread over it, for `score_phase` to answer again."""
     out.setdefault("configs", {})
     async with await Client.connect(url, queue, timeout_s=args.job_timeout_s) as client:
         try:
@@ -328,6 +335,9 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
                 s["worker_stats"] = {"error": str(e)}
             s["moves"] = dict(sum((a.moves for a in trace.agents), Counter()))
             s["records"] = [[r.state_len, round(r.ms, 2), r.path or "failed"] for r in records]
+            if check is not None and k == 0:
+                ok = [r for r in records if r.probs]
+                check += [(r._row, r.probs, r.path) for r in ok[:: max(1, len(ok) // CHECK_ROWS)][:CHECK_ROWS]]
             out["configs"][str(n)] = s
             save()
             print(f"[load] {n} agents: {s['rows']} rows, {s['rows_per_s']} rows/s, paths {s['paths']}, "
@@ -341,7 +351,11 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
 # ---- statecache score, one row at a time --------------------------------------------------------------------------
 
 
-def score_phase(args, rows: list[Row]) -> tuple[dict, list[Record]]:
+def score_phase(args, rows: list[Row], check=()) -> tuple[dict, list[Record]]:
+    """rows one at a time through `statecache score` (the first --score-warmup untimed); then the rows of `check`
+    ((row, the worker's answer, its path)), untimed, whose answers are compared with the worker's: the worker's
+    cached, batched and overlapped paths against score's one-row-at-a-time answers of the same rows (bf16 noise
+    expected, ~0.05 at most)."""
     cmd = [sys.executable, "-m", "statecache.cli", "score"]
     if args.model:
         cmd += ["--model", args.model]
@@ -384,6 +398,13 @@ def score_phase(args, rows: list[Row]) -> tuple[dict, list[Record]]:
             else:
                 rec.path, rec.reused, rec.computed, rec.probs = res["path"], res["reused"], res["computed"], res["probs"]
             records.append(rec)
+        again = []
+        for row, theirs, path in check:
+            proc.stdin.write(json.dumps(row.wire()) + "\n")
+            proc.stdin.flush()
+            res = json.loads(proc.stdout.readline() or "{}")
+            if "probs" in res:
+                again.append((path, max(abs(a - b) for pa, pb in zip(res["probs"], theirs) for a, b in zip(pa, pb))))
     finally:
         proc.stdin.close()
         proc.wait(120)
@@ -392,6 +413,11 @@ def score_phase(args, rows: list[Row]) -> tuple[dict, list[Record]]:
     s = summarise(timed, sum(r.ms for r in timed) / 1e3)
     s["mean_ms_per_row"] = round(statistics.fmean(r.ms for r in timed), 2) if timed else None
     s["warmup_rows"] = args.score_warmup
+    if check:
+        dps = sorted(d for _, d in again)
+        s["worker_vs_score"] = {"rows": len(again), "asked": len(check), "median_dp": round(statistics.median(dps), 4) if dps else None,
+                                "max_dp": round(dps[-1], 4) if dps else None,
+                                "max_dp_by_worker_path": {p: round(max(d for q, d in again if q == p), 4) for p in {q for q, _ in again}}}
     s["first_answer_after_s"] = first_answer_s
     s["startup_s"] = startup_s  # process start to the engine built (weights, precapture, budget)
     s["records"] = [[r.state_len, round(r.ms, 2), r.path or "failed"] for r in timed]
@@ -542,6 +568,11 @@ def markdown(res: dict) -> str:
                   f"{fmt(sc['latency_by_path'].get('cold', {}).get('mean_ms'))} | "
                   f"{fmt(sc['latency_by_path'].get('plain', {}).get('mean_ms'))} | "
                   + ", ".join(f"{k} {v}" for k, v in sc["paths"].items() if v) + f" | {fmt(sc['reused_vs_unbounded'])} |"]
+        if sc.get("worker_vs_score"):
+            w = sc["worker_vs_score"]
+            lines += ["", f"The worker's answers to {w['rows']} of its rows, asked again of score (untimed): max |dp| "
+                      f"median {fmt(w['median_dp'])}, largest {fmt(w['max_dp'])} (by the worker's path: "
+                      + ", ".join(f"{k} {fmt(v)}" for k, v in sorted(w["max_dp_by_worker_path"].items())) + ")."]
     if hf:
         lines += ["", f"## transformers, uncached ({hf['dtype']} on {hf['device']}, {hf['rows']} rows of the score trace, "
                   f"mean state {hf['mean_state_len']} tokens)", "",
@@ -679,6 +710,7 @@ def main(argv=None) -> int:
             print(f"[load] plots failed: {e}", file=sys.stderr)
 
     t_all = time.perf_counter()
+    check: list = []  # (row, the worker's answer, path): asked again of score
     if args.agents and not args.skip_worker:
         with LocalRedis() as redis_server:
             queue = f"statecache:load-bench:{os.getpid()}"
@@ -688,7 +720,7 @@ def main(argv=None) -> int:
                 st = worker.start(args.ready_timeout_s)  # raises (with the log's tail) when it does not come up
                 res["startup"] = st
                 res["worker"] = {}
-                asyncio.run(worker_phase(redis_server.url, queue, args, vocab, res["worker"], save))
+                asyncio.run(worker_phase(redis_server.url, queue, args, vocab, res["worker"], save, check))
                 eng = res["worker"].get("engine_at_start", {})
                 if "loaded_at" in eng:
                     st["weights_loaded_to_ready_s"] = round(st["ready_at"] - eng["loaded_at"], 2)
@@ -706,10 +738,11 @@ def main(argv=None) -> int:
         recs = [Record(r.agent, r.state_len, len(r.ids), 0.0) for r in rows]  # no answers of ours if score fails
         print(f"[load] statecache score: {len(rows)} rows one at a time ...", file=sys.stderr, flush=True)
         try:
-            res["score"], recs = score_phase(args, rows)
+            res["score"], recs = score_phase(args, rows, check)
             s = res["score"]
             print(f"[load] score: mean {s['mean_ms_per_row']} ms/row, paths {s['paths']}, "
-                  f"hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms", file=sys.stderr, flush=True)
+                  f"hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms; the worker's answers against "
+                  f"score's: {s.get('worker_vs_score')}", file=sys.stderr, flush=True)
         except Exception as e:  # noqa: BLE001 - the next phase still runs
             res["score_error"] = f"{type(e).__name__}: {e}"
             print(f"[load] score failed: {res['score_error']}", file=sys.stderr, flush=True)

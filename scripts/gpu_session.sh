@@ -10,13 +10,15 @@
 #   load16      the same with 16 agents only, no score or transformers (360: a cold start alone took 229 s)
 #   load16s     16 agents, then score and transformers on 8 rows (560)
 #   load64      64 agents only, no score or transformers (400)
-#   plant       bench/gpu_plant.py, 9B: a lone new state through the planting graph against the plain graph (200)
+#   load16score 16 agents, then score; no transformers (480)
+#   plant       bench/gpu_plant.py, 9B: a lone new state through the planting graph against the plain graph (260)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
 #   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (280)
 #   images      bench/gpu_images.py --compile, 9B with its vision tower (200)
 #   agree       bench/gpu_agree32.py, 40 rows against float32 and transformers (240)
 #   tests       pytest tests/test_gpu.py and the Triton kernel tests (240)
+#   tests_plant pytest tests/test_gpu.py's planting-graph tests only (120)
 # Environment passed on: STATECACHE_* (e.g. STATECACHE_BETWEEN_LAYERS). Compile caches go to $STATECACHE_HOME
 # (default here: .gpucache in the repository), kept between calls while the machine stays warm.
 set -u
@@ -43,6 +45,8 @@ run_step() {
                   --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         load16s) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
                   --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 8 >"$dir/log.txt" 2>&1 ;;
+        load16score) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
+                  --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         load64) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 64 \
                   --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         plant) timeout "$limit" python3 bench/gpu_plant.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
@@ -56,6 +60,8 @@ run_step() {
         agree) timeout "$limit" python3 bench/gpu_agree32.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
         tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_batch_triton.py \
                   tests/test_span_triton.py tests/test_gdn_triton.py tests/test_conv_triton.py >"$dir/log.txt" 2>&1 ;;
+        tests_plant) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "planting_graph" \
+                  >"$dir/log.txt" 2>&1 ;;
         *) echo "gpu_session: no step '$name'" | tee "$dir/log.txt"; return ;;
     esac
     rc=$?
@@ -65,7 +71,7 @@ run_step() {
     grep -hE '^\[(load|agree)\]|ratio|hit|passed|failed|Error|planting' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
 }
 
-declare -A LIMIT=([load]=540 [load16]=360 [load16s]=560 [load64]=400 [plant]=200 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([load]=540 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=120 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     name=${arg%%:*}
     limit=${LIMIT[$name]:-300}

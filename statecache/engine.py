@@ -70,7 +70,8 @@ class Engine:
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
                  specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
-                 auto_budget: bool | None = None, between_layers: int = 4, plant_graphs: bool | None = None):
+                 auto_budget: bool | None = None, between_layers: int = 4, plant_graphs: bool | None = None,
+                 plant_overlap: bool = True):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -124,7 +125,8 @@ class Engine:
         # plant_graphs: new states through statecache.plant.PlantGraph (default: where CUDA graphs are used; True on
         # the CPU runs its forward eagerly, the tests' form)
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
-                               specialists=self.specialists, between_layers=between_layers, plant_graphs=plant_graphs)
+                               specialists=self.specialists, between_layers=between_layers, plant_graphs=plant_graphs,
+                               plant_overlap=plant_overlap)
         if self.precapture_info is not None:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
             # short lone rows' graphs, and the planting graphs of every length a new state can have
@@ -217,7 +219,7 @@ class Engine:
         s = settings if settings is not None else Settings.from_env()
         args = dict(settings=s.cache_settings(), auto_budget=s.cache_mb is None, compile=s.compile, precapture=s.precapture,
                     cold_ok=load_policy(s.cold_ok), cache_fraction=s.cache_fraction, specialists=s.specialists,
-                    batch=s.batch, home=s.home, between_layers=s.between_layers)
+                    batch=s.batch, home=s.home, between_layers=s.between_layers, plant_overlap=s.plant_overlap)
         if s.max_row_tokens is not None:
             args["max_row_tokens"] = s.max_row_tokens
         return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
@@ -325,7 +327,8 @@ class Engine:
            ends, and the rows behind its new states run batched right after it (now hits); with a `between` hook
            (chunked prefill) each forward calls back every few layers, so rows that arrive meanwhile and continue
            from saved states are answered there;
-        4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
+        4. one at a time through the cache: what a batch left, and everything when there is no batched runner.
+        A batch that is one hit and nothing else runs it one at a time (the chunk runner) straight away."""
         groups, plain = self._groups(todo)
         saved, grown, planting, chunked = [], [], [], []  # groups of rows (i, row, key)
         version, found = self.cache.index.version, {}  # memo key -> (checkpoint, index version): the first batched
@@ -346,6 +349,12 @@ class Engine:
                 plain += members
         later: list = []  # rows a batched call left
         follow: dict = {}  # memo key of a new state's first row -> the rows behind it (they continue once it planted)
+        if len(todo) == 1 and saved:
+            # a batch of one hit (what `statecache score` sends): the chunk runner's graph answers it faster than a
+            # batch graph of one does (on an H200 at the 9B shape, 5.9 against 6.4 ms: bench/README.md, session 9)
+            self._one_by_one(saved[0], results)
+            self._deliver(results)
+            return
         if self.cache.batch is not None:
             later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results, found)
             self._deliver(results)

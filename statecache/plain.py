@@ -50,7 +50,8 @@ class _Graph:
 class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
                  bucket: int = 64, max_graph_tokens: int = 8192, pool=None, specialists=None,
-                 plant_graphs: bool | None = None, between_layers: int = 4, plant_bucket: int = 128):
+                 plant_graphs: bool | None = None, between_layers: int = 4, plant_bucket: int = 128,
+                 plant_overlap: bool = True):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.spec = specialists  # statecache.specialists.Specialists | None
         if specialists is not None:  # fold the adapters into the weights now, before any graph is captured
@@ -75,7 +76,8 @@ class PlainPath:
             # other graphs (the batched runner's, in the shared pool), which must not reuse that memory
             own_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
             self.planter = PlantGraph(model, kernels, own_pool, max_graph_tokens, self.stats, self.failures,
-                                      bucket=plant_bucket, every=between_layers, graphs=self.use_graphs)
+                                      bucket=plant_bucket, every=between_layers, graphs=self.use_graphs,
+                                      overlap=plant_overlap)
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices of rows packed greedily into forwards of at most max_tokens tokens (a longer row goes alone)."""

@@ -265,7 +265,7 @@ class PlantGraph:
     graphs=False runs the same forward eagerly (the CPU tests' form; `between` then runs between the pieces too)."""
 
     def __init__(self, model, kernels, pool, max_tokens: int, stats: dict, failures: list[str], *, bucket: int = 128,
-                 every: int = 4, graphs: bool = True):
+                 every: int = 4, graphs: bool = True, overlap: bool = True):
         self.model, self.kernels, self.pool = model, kernels, pool
         self.bucket, self.max_tokens, self.every = bucket, max_tokens - max_tokens % bucket, every
         self.stats, self.failures, self.use_graphs = stats, failures, graphs
@@ -273,6 +273,10 @@ class PlantGraph:
         self.graphs: dict[tuple[int, int], _Pieces | None] = {}
         self._bufs: dict | None = None
         self._stream = None  # the one stream every capture records on (made on the first capture)
+        # overlap: with graphs, the pieces replay on a stream of their own and `between` runs beside them
+        # (`_replay_overlapped`); off: a stop runs after the piece before it, on one stream
+        self.overlap = overlap
+        self._run_stream = torch.cuda.Stream(device=model.device) if graphs and model.device.type == "cuda" else None
 
     def bufs(self) -> dict:
         """The static buffers, shared by every shape (allocated on first use, sized for max_tokens)."""
@@ -413,6 +417,33 @@ class PlantGraph:
         lay = self.layout(plan, key[0])
         return None if lay is None else (key, lay)
 
+    def _replay_overlapped(self, graphs, between) -> None:
+        """The pieces on a stream of their own, `between` on the caller's stream while they run: a stop's short work
+        (a batched forward, memory-bound) runs beside the piece (compute-bound) instead of after it, and its own
+        synchronisation waits for its own work only. The next piece is always queued before a stop starts, so the
+        planting stream does not idle while the stop runs; each stop waits (on the host) for the piece before the
+        running one to end, which spaces the stops as far apart as the pieces. The pieces read only their inputs
+        (written on the caller's stream before they start) and the weights, and write only the planter's static
+        buffers and its own graph pool (captured on the planter's own stream: its own cuBLAS workspace), so nothing
+        a stop reads or writes is touched; the caller's stream waits for the last piece before anything reads them."""
+        main = torch.cuda.current_stream()
+        run = self._run_stream
+        run.wait_stream(main)  # the inputs copied on the caller's stream
+        ends: list = []
+        try:
+            for k, g in enumerate(graphs):
+                with torch.cuda.stream(run):
+                    g.replay()
+                ends.append(torch.cuda.Event())
+                ends[-1].record(run)
+                if k == 0:
+                    continue
+                if k >= 2:
+                    ends[k - 2].synchronize()  # piece k - 1 is running now, piece k queued behind it
+                between()
+        finally:
+            main.wait_stream(run)
+
     def can(self, n: int, n_slots: int, plan: list[int], slot_buckets) -> bool:
         """Would `run` take this row?"""
         return self._fit(n, n_slots, plan, slot_buckets) is not None
@@ -433,6 +464,9 @@ class PlantGraph:
         if not self.use_graphs:
             with torch.no_grad():
                 out = self._forward(p, T, S, lambda i: between() if between is not None else None)
+        elif self.overlap and between is not None:
+            self._replay_overlapped(p.graphs, between)
+            out = p.out
         else:
             for k, g in enumerate(p.graphs):
                 g.replay()

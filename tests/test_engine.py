@@ -334,6 +334,24 @@ def test_score_cli_answers_json_lines_in_order(monkeypatch, capsys):
     assert stats["rows"] == 3 and stats["errors"] == 1 and stats["hits"] == 1 and stats["cold"] == 1
 
 
+def test_score_reads_a_line_as_json_does():
+    """statecache score's reader (orjson first) means what json.loads means and fails where it fails; NaN (orjson
+    refuses it) goes through json; an int past 64 bits still gets a clear error from the row checks."""
+    from statecache.cli import loads_line
+    from statecache.rows import RowError, check_row
+
+    for text in ['{"ids": [1, 2, 3], "state_len": 2, "slots": [2], "nopts": [4]}', '[1, 2.5, "x", null, true, -7]',
+                 '{"x": NaN}', '  {"a": {"b": [1e3, 9223372036854775807]}}  ', '"\\u00e9"']:
+        assert json.dumps(loads_line(text)) == json.dumps(json.loads(text))
+    for bad in ['{"ids": [1, 2', "", "nul"]:
+        with pytest.raises(json.JSONDecodeError):
+            loads_line(bad)
+    huge = loads_line('{"ids": [5, %d], "state_len": 1, "slots": [1], "nopts": [4]}' % 2**70)
+    with pytest.raises(RowError) as e:
+        check_row(huge, 1000, 100)
+    assert e.value.code in ("bad_type", "id_out_of_range") and "ids[1]" in e.value.message
+
+
 def test_score_cli_precapture_flag_and_budget_line(monkeypatch, capsys):
     from statecache import cli
 
@@ -641,3 +659,21 @@ def test_new_states_plant_one_forward_each_and_answer_in_turn(engine, monkeypatc
     res = eng.answer(again)
     check(eng, again, res)
     assert paths(res) == ["hit", "hit", "hit"]
+
+
+def test_a_batch_of_one_hit_runs_alone_through_the_chunk_runner(engine):
+    """A batch that is a single hit (statecache score's) runs through the chunk runner, not a batched forward of
+    one; a hit beside other rows, and a grown state's row alone, still run batched; all answer as the plain
+    forward."""
+    eng = engine()
+    S = toks(300, 7)
+    rows = [row(S, 10, 1), row(S, 12, 2), row(S, 14, 3), row(S, 16, 4), row(S + toks(200, 8), 9, 5)]
+    res = [eng.answer([rows[0]])[0]]
+    batched = lambda: eng.cache.stats.get("batched", 0)  # noqa: E731
+    res.append(eng.answer([rows[1]])[0])
+    assert res[1]["path"] == "hit" and batched() == 0
+    res += eng.answer(rows[2:4])
+    assert paths(res[2:]) == ["hit", "hit"] and batched() == 2
+    res.append(eng.answer([rows[4]])[0])
+    assert res[4]["path"] == "partial" and batched() == 3
+    check(eng, rows, res)

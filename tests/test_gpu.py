@@ -214,3 +214,38 @@ def test_planting_graph_matches_the_packed_planting_forward(kernels):
         assert hit is not None and hit.path in ("hit", "partial")
         ref = eager.forward([(q2, [len(q2) - 1], [4])])[0]
         assert max(abs(a - b) for a, b in zip(hit.probs[0], ref[0])) < 3e-2
+
+
+def test_planting_graph_stops_beside_its_pieces_change_nothing(kernels):
+    """Stops that run batched hits beside a new state's planting pieces (its own stream, PlantGraph.overlap) give
+    the planting forward's answers, checkpoints and K/V, and the hits' answers, exactly as stops run after each
+    piece on one stream do."""
+    from statecache.engine import Engine
+
+    eng = Engine(device="cuda", dtype="bfloat16", compile=False, precapture=False)
+    pp, planter = eng.plain, eng.plain.planter
+    assert planter is not None and planter._run_stream is not None
+    g = torch.Generator().manual_seed(3)
+    rand = lambda n: torch.randint(0, eng.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    base = rand(640)
+    assert eng.answer([{"ids": base + rand(24), "state_len": 640, "slots": [663], "nopts": [4]}])[0]["path"] == "cold"
+    hits = [base + rand(12 + 8 * k) for k in range(3)]
+    asks = [(h, 640, [len(h) - 1], [4]) for h in hits]
+    first = eng.cache.rows_batched(asks)
+    assert all(a is not None for a in first)
+    ids = rand(1500)
+    row, plan = (ids, [len(ids) - 1], [4]), eng.cache.plan(1470)
+    assert planter.capture(len(ids), 1, (4,))
+    runs = {}
+    for overlap in (False, True, False, True):
+        planter.overlap = overlap
+        stops = []
+        outs, (pl,) = pp.run([row], [plan], between=lambda: stops.append(eng.cache.rows_batched(asks)))
+        runs.setdefault(overlap, []).append(
+            (outs[0][0], [t.clone() for t in pl.S + pl.conv + [pl.K, pl.V]], [[a.probs for a in s] for s in stops]))
+    want = runs[False][0]
+    assert len(want[2]) > 0 and all(s == [a.probs for a in first] for s in want[2])
+    for seen in runs[False][1:] + runs[True]:  # every run, either way, as the first
+        assert seen[0] == want[0]
+        assert all(torch.equal(x, y) for x, y in zip(seen[1], want[1]))
+        assert seen[2] == want[2]
