@@ -69,6 +69,7 @@ run_step() {
     [ $rc -eq 124 ] && what="stopped at its $limit s limit"
     echo "== $name: $what, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
     grep -hE '^\[(load|agree)\]|ratio|hit|passed|failed|Error|planting' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
+    tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
 declare -A LIMIT=([load]=540 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=120 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
