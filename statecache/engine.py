@@ -71,7 +71,7 @@ class Engine:
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
                  specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
                  auto_budget: bool | None = None, between_layers: int = 4, plant_graphs: bool | None = None,
-                 plant_overlap: bool = True):
+                 plant_overlap: bool = False):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -327,8 +327,7 @@ class Engine:
            ends, and the rows behind its new states run batched right after it (now hits); with a `between` hook
            (chunked prefill) each forward calls back every few layers, so rows that arrive meanwhile and continue
            from saved states are answered there;
-        4. one at a time through the cache: what a batch left, and everything when there is no batched runner.
-        A batch that is one hit and nothing else runs it one at a time (the chunk runner) straight away."""
+        4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
         groups, plain = self._groups(todo)
         saved, grown, planting, chunked = [], [], [], []  # groups of rows (i, row, key)
         version, found = self.cache.index.version, {}  # memo key -> (checkpoint, index version): the first batched
@@ -349,12 +348,6 @@ class Engine:
                 plain += members
         later: list = []  # rows a batched call left
         follow: dict = {}  # memo key of a new state's first row -> the rows behind it (they continue once it planted)
-        if len(todo) == 1 and saved:
-            # a batch of one hit (what `statecache score` sends): the chunk runner's graph answers it faster than a
-            # batch graph of one does (on an H200 at the 9B shape, 5.9 against 6.4 ms: bench/README.md, session 9)
-            self._one_by_one(saved[0], results)
-            self._deliver(results)
-            return
         if self.cache.batch is not None:
             later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results, found)
             self._deliver(results)

@@ -51,7 +51,7 @@ class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
                  bucket: int = 64, max_graph_tokens: int = 8192, pool=None, specialists=None,
                  plant_graphs: bool | None = None, between_layers: int = 4, plant_bucket: int = 128,
-                 plant_overlap: bool = True):
+                 plant_overlap: bool = False):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.spec = specialists  # statecache.specialists.Specialists | None
         if specialists is not None:  # fold the adapters into the weights now, before any graph is captured

@@ -265,7 +265,7 @@ class PlantGraph:
     graphs=False runs the same forward eagerly (the CPU tests' form; `between` then runs between the pieces too)."""
 
     def __init__(self, model, kernels, pool, max_tokens: int, stats: dict, failures: list[str], *, bucket: int = 128,
-                 every: int = 4, graphs: bool = True, overlap: bool = True):
+                 every: int = 4, graphs: bool = True, overlap: bool = False):
         self.model, self.kernels, self.pool = model, kernels, pool
         self.bucket, self.max_tokens, self.every = bucket, max_tokens - max_tokens % bucket, every
         self.stats, self.failures, self.use_graphs = stats, failures, graphs

@@ -47,7 +47,7 @@ class Settings:
     specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; README: Specialists; default: none)")
     batch: int = _f(64, "STATECACHE_BATCH", "most rows of saved states run in one batched forward (0: one at a time)")
     between_layers: int = _f(4, "STATECACHE_BETWEEN_LAYERS", "a new page's forward can stop for the hits that arrived meanwhile every this many layers (0: only after it)")
-    plant_overlap: bool = _f(True, "STATECACHE_PLANT_OVERLAP", "on cuda, those stops run beside the new page's forward (its pieces on a stream of their own) instead of after each piece")
+    plant_overlap: bool = _f(False, "STATECACHE_PLANT_OVERLAP", "on cuda, those stops run beside the new page's forward (its pieces on a stream of their own) instead of after each piece (off until its GPU test has run: README)")
     between_min_rows: int = _f(1, "STATECACHE_BETWEEN_MIN_ROWS", "with BETWEEN_WAIT_S > 0, it stops only once this many such rows wait (each stop is a batched forward: fewer, fuller stops trade hit latency for rows/s)")
     between_wait_s: float = _f(0.0, "STATECACHE_BETWEEN_WAIT_S", "or once the oldest of them has waited this long")
     max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")

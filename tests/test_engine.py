@@ -660,20 +660,3 @@ def test_new_states_plant_one_forward_each_and_answer_in_turn(engine, monkeypatc
     check(eng, again, res)
     assert paths(res) == ["hit", "hit", "hit"]
 
-
-def test_a_batch_of_one_hit_runs_alone_through_the_chunk_runner(engine):
-    """A batch that is a single hit (statecache score's) runs through the chunk runner, not a batched forward of
-    one; a hit beside other rows, and a grown state's row alone, still run batched; all answer as the plain
-    forward."""
-    eng = engine()
-    S = toks(300, 7)
-    rows = [row(S, 10, 1), row(S, 12, 2), row(S, 14, 3), row(S, 16, 4), row(S + toks(200, 8), 9, 5)]
-    res = [eng.answer([rows[0]])[0]]
-    batched = lambda: eng.cache.stats.get("batched", 0)  # noqa: E731
-    res.append(eng.answer([rows[1]])[0])
-    assert res[1]["path"] == "hit" and batched() == 0
-    res += eng.answer(rows[2:4])
-    assert paths(res[2:]) == ["hit", "hit"] and batched() == 2
-    res.append(eng.answer([rows[4]])[0])
-    assert res[4]["path"] == "partial" and batched() == 3
-    check(eng, rows, res)
