@@ -365,6 +365,8 @@ def score_phase(args, rows: list[Row], check=()) -> tuple[dict, list[Record]]:
     help_text = subprocess.run(cmd[:4] + ["--help"], cwd=ROOT, env=env, capture_output=True, text=True).stdout
     if "--precapture" in help_text and "--no-precapture" not in help_text:
         cmd.append("--precapture")  # older CLIs capture on first use unless told
+    if "--timings" in help_text:
+        cmd.append("--timings")  # where score's rows' time went (every row it answered, warm-up and check rows too)
     err = open(Path(args.out) / "score_stderr.log", "w")
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -423,9 +425,13 @@ def score_phase(args, rows: list[Row], check=()) -> tuple[dict, list[Record]]:
     s["records"] = [[r.state_len, round(r.ms, 2), r.path or "failed"] for r in timed]
     tail = Path(err.name).read_text()[-3000:]
     s["stderr_tail"] = tail
-    stats_line = [ln for ln in tail.splitlines() if ln.startswith("statecache: {")]
+    lines = Path(err.name).read_text(errors="replace").splitlines()
+    stats_line = [ln for ln in lines if ln.startswith("statecache: {")]
     if stats_line:
         s["engine_stats"] = json.loads(stats_line[-1].removeprefix("statecache: "))
+    timing_line = [ln for ln in lines if ln.startswith("statecache: timings {")]
+    if timing_line:
+        s["timings"] = json.loads(timing_line[-1].removeprefix("statecache: timings "))
     return s, records
 
 
@@ -568,6 +574,15 @@ def markdown(res: dict) -> str:
                   f"{fmt(sc['latency_by_path'].get('cold', {}).get('mean_ms'))} | "
                   f"{fmt(sc['latency_by_path'].get('plain', {}).get('mean_ms'))} | "
                   + ", ".join(f"{k} {v}" for k, v in sc["paths"].items() if v) + f" | {fmt(sc['reused_vs_unbounded'])} |"]
+        if sc.get("timings"):
+            tm = sc["timings"]
+            lines += ["", "Where score's rows' time went (`statecache score --timings`: every row it answered, warm-up and "
+                      "check rows too; ms p50 / mean): " + "; ".join(
+                          f"{p} ({v['rows']} rows): read {fmt(v['read_ms']['p50'])} / {fmt(v['read_ms']['mean'])}, answer "
+                          f"{fmt(v['answer_ms']['p50'])} / {fmt(v['answer_ms']['mean'])}, of which waiting on the GPU "
+                          f"{fmt(v['gpu_wait_ms']['p50'])} / {fmt(v['gpu_wait_ms']['mean'])} and host "
+                          f"{fmt(v['answer_host_ms']['p50'])} / {fmt(v['answer_host_ms']['mean'])}"
+                          for p, v in tm.items() if isinstance(v, dict) and "rows" in v) + "."]
         if sc.get("worker_vs_score"):
             w = sc["worker_vs_score"]
             lines += ["", f"The worker's answers to {w['rows']} of its rows, asked again of score (untimed): max |dp| "

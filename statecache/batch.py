@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .graphs import Staging, new_stats, try_capture
+from .graphs import Staging, new_stats, try_capture, wait_for_gpu
 from .runner import bucket
 from .specialists.lora import TokenRoutes
 
@@ -497,7 +497,7 @@ class BatchRunner:
             return out.float()
         host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(out, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
+        wait_for_gpu(self.stats)
         return host
 
     def precapture(self, progress=sys.stderr) -> dict:

@@ -1,10 +1,11 @@
 """`statecache` console script.
 
   statecache score [--model DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--cache-mb N] [--no-precapture]
-                  [--specialists DIR]
+                  [--specialists DIR] [--timings]
       rows as JSON lines on stdin -> one JSON result per line on stdout, in order; the state cache is used
       across rows; with specialists each result names its `route`. A bad line gets {"error": {...}} and the run
-      goes on. Statistics go to stderr at the end. Options not given come from the settings (statecache.settings).
+      goes on. Statistics go to stderr at the end (with --timings, first a line of where the rows' time went).
+      Options not given come from the settings (statecache.settings).
 
 `statecache demo` is the demo's (producer.console dispatches it to producer.demo); this module, like the rest
 of the library, does not import the producer.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 try:  # a JSON line of a 4k-token row parses ~3x faster (on a 2-core test machine: 520 -> 170 us)
     import orjson
@@ -59,19 +61,54 @@ def _score(args) -> int:
         print(f"statecache: precaptured {info['graphs']} graphs in {info['seconds']} s"
               + (f" (failed: {info['failed']})" if info["failed"] else ""), file=sys.stderr)
     out = sys.stdout
+    timings = Timings() if args.timings else None
     for n, line in enumerate(sys.stdin, 1):
         if not line.strip():
             continue
+        t0, w0 = time.perf_counter(), eng.gpu_wait_s()
         try:
             row = loads_line(line)
         except json.JSONDecodeError as e:
             res = error_result("bad_json", f"line {n}: {e}")
         else:
+            t1 = time.perf_counter()
             res = eng.answer([row])[0]
-        out.write(json.dumps(res) + "\n")
+            if timings is not None:
+                timings.add(res.get("path", "error"), t1 - t0, time.perf_counter() - t1, eng.gpu_wait_s() - w0)
+        text = json.dumps(res) + "\n"
+        if timings is not None:
+            timings.total_s.append(time.perf_counter() - t0)
+        out.write(text)
         out.flush()
+    if timings is not None:
+        print("statecache: timings " + json.dumps(timings.summary()), file=sys.stderr)
     print("statecache: " + json.dumps(eng.stats()), file=sys.stderr)
     return 0
+
+
+class Timings:
+    """`score --timings`: where each row's time went on this side of the pipe, by path: reading its line, the
+    engine's answer, and within that the time blocked on the GPU (`Engine.gpu_wait_s`); the rest of the answer is
+    host work (checks, lookups, packing, launches)."""
+
+    def __init__(self):
+        self.rows: dict[str, list[tuple[float, float, float]]] = {}
+        self.total_s: list[float] = []  # a line's start to its answer's text, every row
+
+    def add(self, path: str, read_s: float, answer_s: float, gpu_wait_s: float) -> None:
+        self.rows.setdefault(path, []).append((read_s, answer_s, gpu_wait_s))
+
+    def summary(self) -> dict:
+        def ms(xs):
+            xs = sorted(xs)
+            return {"p50": round(1e3 * xs[len(xs) // 2], 3), "mean": round(1e3 * sum(xs) / len(xs), 3)} if xs else None
+
+        out = {}
+        for path, rs in sorted(self.rows.items()):
+            out[path] = {"rows": len(rs), "read_ms": ms([r[0] for r in rs]), "answer_ms": ms([r[1] for r in rs]),
+                         "gpu_wait_ms": ms([r[2] for r in rs]), "answer_host_ms": ms([r[1] - r[2] for r in rs])}
+        out["line_in_to_answer_out_ms"] = ms(self.total_s)
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--precapture", action=argparse.BooleanOptionalAction, default=None,
                     help="capture every chunk CUDA graph before reading rows (default: STATECACHE_PRECAPTURE, on; lone "
                          "plain rows' graphs are captured on first use); --no-precapture captures each on first use")
+    sc.add_argument("--timings", action="store_true",
+                    help="at the end, print where the rows' time went by path (reading, answering, waiting on the GPU) to "
+                         "stderr as a `statecache: timings {...}` line")
     sc.add_argument("--specialists", default=None, metavar="DIR",
                     help="a specialists folder (router.json, router.safetensors, one PEFT LoRA adapter folder per route; "
                          "default: STATECACHE_SPECIALISTS)")

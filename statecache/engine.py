@@ -574,6 +574,13 @@ class Engine:
             for k, i in enumerate(idx):
                 results[i] = res if k == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
 
+    def gpu_wait_s(self) -> float:
+        """Seconds this engine's thread has spent blocked waiting for the GPU to finish forwards whose answers it reads
+        (the chunk runner's, the batched runner's, the planting graphs'; not the plain path's other forwards) since
+        start-up: a row's time less this is its host work."""
+        parts = [self.runner.stats, self.plain.stats] + ([self.cache.batch.stats] if self.cache.batch is not None else [])
+        return sum(p.get("gpu_wait_s", 0.0) for p in parts)
+
     def _memo(self, key) -> dict | None:
         hit = self.memo.get(key)
         if hit is None:

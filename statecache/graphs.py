@@ -47,7 +47,16 @@ def capture(fn, pool, warmup: int = 2):
 
 
 def new_stats() -> dict:
-    return {"captures": 0, "capture_s": 0.0, "capture_failed": 0}
+    """A graph owner's counters: captures, their seconds and failures; `gpu_wait_s`, the host's seconds blocked
+    waiting for the GPU to finish the owner's forwards (what a row's time is beyond its host work)."""
+    return {"captures": 0, "capture_s": 0.0, "capture_failed": 0, "gpu_wait_s": 0.0}
+
+
+def wait_for_gpu(stats: dict) -> None:
+    """Block until the current stream is done, counting the seconds in stats["gpu_wait_s"]."""
+    t0 = time.perf_counter()
+    torch.cuda.current_stream().synchronize()
+    stats["gpu_wait_s"] += time.perf_counter() - t0
 
 
 def try_capture(fn, pool, stats: dict, failures: list[str], what: str):

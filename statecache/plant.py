@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .graphs import fill_inputs, side_stream
+from .graphs import fill_inputs, side_stream, wait_for_gpu
 from .mixers import PackedMixer
 
 
@@ -478,5 +478,7 @@ class PlantGraph:
         pl.conv = [b["tails"][:, m * W1 : (m + 1) * W1].clone() for m in slot_of]
         pl.S = [b["S"][:, m].clone() for m in slot_of]
         pl.K, pl.V = b["K"][:, : plan[-1]].clone(), b["V"][:, : plan[-1]].clone()
+        if out.device.type == "cuda":
+            wait_for_gpu(self.stats)
         probs = out[: len(slots)].float().cpu()
         return [probs[k, : nopts[k]].tolist() for k in range(len(slots))], pl

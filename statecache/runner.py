@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .graphs import Staging, new_stats, pack_inputs, try_capture
+from .graphs import Staging, new_stats, pack_inputs, try_capture, wait_for_gpu
 from .mixers import ChunkMixer, ChunkState
 from .specialists.lora import FixedRoute
 
@@ -213,7 +213,7 @@ class ChunkRunner:
         if self._out_host is None or self._out_host.shape != out.shape:
             self._out_host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
         self._out_host.copy_(out, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
+        wait_for_gpu(self.stats)
         return self._out_host[:n].clone()
 
     def reset_graphs(self) -> None:

@@ -660,3 +660,20 @@ def test_new_states_plant_one_forward_each_and_answer_in_turn(engine, monkeypatc
     check(eng, again, res)
     assert paths(res) == ["hit", "hit", "hit"]
 
+
+
+def test_score_timings_count_every_answered_row_by_path(monkeypatch, capsys):
+    """`statecache score --timings` prints where the rows' time went, by path; the parts add up."""
+    from statecache.cli import main
+
+    S = toks(300, 41)
+    rows = [row(S, 10, 1), row(S, 12, 2), row(S, 14, 3), {"ids": [1], "state_len": 1, "slots": [3], "nopts": [2]}]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(json.dumps(r) for r in rows) + "\nnot json\n"))
+    assert main(["score", "--device", "cpu", "--dtype", "float32", "--timings"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    tm = json.loads(next(ln for ln in err if ln.startswith("statecache: timings ")).removeprefix("statecache: timings "))
+    assert {k: v["rows"] for k, v in tm.items() if "rows" in v} == {"cold": 1, "hit": 2, "error": 1}
+    for v in (tm["cold"], tm["hit"]):
+        assert v["answer_ms"]["mean"] > 0 and v["gpu_wait_ms"]["mean"] == 0  # no GPU here: all of it is host work
+        assert abs(v["answer_host_ms"]["mean"] - (v["answer_ms"]["mean"] - v["gpu_wait_ms"]["mean"])) < 1e-3
+    assert tm["line_in_to_answer_out_ms"]["mean"] > 0
