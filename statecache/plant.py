@@ -249,8 +249,9 @@ class _GraphPlantMixer(PackedMixer):
 
 
 class PlantGraph:
-    """A lone row that plants, as CUDA graphs: its whole forward zero-padded to T tokens (a multiple of `bucket`),
-    captured once per (T, slot bucket) and cut into pieces every `every` layers, so that a caller's `between` (short
+    """A lone row that plants, as CUDA graphs: its whole forward zero-padded to T tokens (`pad`: a multiple of
+    `bucket // 2` up to `fine_tokens`, as the plain path's lone graphs pad, then of `bucket`), captured once per
+    (T, slot bucket) and cut into pieces every `every` layers, so that a caller's `between` (short
     work that arrived meanwhile) runs between the pieces, as it does between the layers of an eager packed forward.
     The checkpoints come out of that same forward with their positions as data: chunk-aligned positions take the
     delta rule's own per-chunk states (`kernels.delta_states`), at most one unaligned position (with the cache
@@ -265,9 +266,13 @@ class PlantGraph:
     graphs=False runs the same forward eagerly (the CPU tests' form; `between` then runs between the pieces too)."""
 
     def __init__(self, model, kernels, pool, max_tokens: int, stats: dict, failures: list[str], *, bucket: int = 128,
-                 every: int = 4, graphs: bool = True, overlap: bool = False):
+                 fine_tokens: int = 4096, every: int = 4, graphs: bool = True, overlap: bool = False):
         self.model, self.kernels, self.pool = model, kernels, pool
         self.bucket, self.max_tokens, self.every = bucket, max_tokens - max_tokens % bucket, every
+        # new pages of up to fine_tokens pad to half a bucket: on an H200 at the 9B shape a 2432 + 64-token row padded
+        # to 2560 took 1.068x its plain graph (padded to 2496), one of 4096 + 64 tokens 1.017x (bench/README.md,
+        # session 9); the finer steps cost ~30 more graphs at start-up
+        self.fine_tokens = fine_tokens - fine_tokens % (bucket // 2)
         self.stats, self.failures, self.use_graphs = stats, failures, graphs
         self.W1 = model.cfg.linear_conv_kernel_dim - 1
         self.graphs: dict[tuple[int, int], _Pieces | None] = {}
@@ -293,7 +298,7 @@ class PlantGraph:
 
     def key(self, n: int, n_slots: int, slot_buckets) -> tuple[int, int] | None:
         """(padded length, slot bucket) of a row of n tokens, or None when it is longer than max_tokens."""
-        T = -(-n // self.bucket) * self.bucket
+        T = self.pad(n)
         S = next((b for b in slot_buckets if n_slots <= b), None)
         if T > self.max_tokens or S is None:
             return None
@@ -344,7 +349,7 @@ class PlantGraph:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side), torch.no_grad():
                 # compiling and autotuning happen here, never inside a capture (after the first shape, one pass: the
-                # kernels have met every class of length a multiple of `bucket` can be)
+                # kernels have met every class of length a multiple of 64 can be)
                 for _ in range(2 if not any(self.graphs.values()) else 1):
                     self._forward(p, T, S, lambda i: None)
             torch.cuda.current_stream().wait_stream(side)
@@ -380,9 +385,21 @@ class PlantGraph:
             self.stats["captures"] += 1
             self.stats["capture_s"] += time.perf_counter() - t0
 
+    def pad(self, n: int) -> int:
+        """The padded length of a row of n tokens (at least one step)."""
+        step = self.bucket // 2 if n <= self.fine_tokens else self.bucket
+        return max(step, -(-n // step) * step)
+
+    def lengths(self, min_tokens: int = 1) -> list[int]:
+        """Every padded length from that of min_tokens up to max_tokens."""
+        out, T = [], self.pad(max(1, min_tokens))
+        while T <= self.max_tokens:
+            out.append(T)
+            T = self.pad(T + 1)
+        return out
+
     def keys(self, min_tokens: int, slot_bucket: int) -> list[tuple[int, int]]:
-        lo = max(self.bucket, -(-min_tokens // self.bucket) * self.bucket)
-        return [(T, slot_bucket) for T in range(lo, self.max_tokens + 1, self.bucket)]
+        return [(T, slot_bucket) for T in self.lengths(min_tokens)]
 
     def precapture(self, min_tokens: int, slot_bucket: int, progress=sys.stderr) -> dict:
         """Capture the graphs of every padded length from min_tokens to max_tokens (one slot bucket) now."""

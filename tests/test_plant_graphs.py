@@ -50,11 +50,21 @@ def test_the_graph_planter_equals_the_packed_planting_forward(n, state_len, stri
     plan = cache.plan(state_len)
     pg = planter()
     T, S = pg.key(n, len(slots), SLOT_BUCKETS)
-    assert T >= n and T % pg.bucket == 0 and S == 4
+    assert T == pg.pad(n) >= n and T % (pg.bucket // 2) == 0 and S == 4
     probs, pl = pg.run(ids, slots, nopts, plan, SLOT_BUCKETS)
     assert_close(probs, reference(ids, slots, nopts))
     _, (want,) = plain_path().run([(ids, slots, nopts)], [plan])
     assert_planted_equal(pl, want)
+
+
+def test_padded_lengths_are_fine_up_to_fine_tokens_then_coarse():
+    """New pages pad to half a bucket (64, as the plain path's lone graphs do) up to fine_tokens, then to a bucket;
+    precapture covers every padded length once."""
+    pg = PlantGraph(small_model(), TorchKernels(), None, 1024, graphs_mod.new_stats(), [], fine_tokens=512, graphs=False)
+    assert [pg.pad(n) for n in (1, 64, 65, 300, 512, 513, 640, 641, 1024)] == [64, 64, 128, 320, 512, 640, 640, 768, 1024]
+    assert pg.lengths(256) == [256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    assert [T for T, _ in pg.keys(257, 4)] == pg.lengths(257)[:] and pg.lengths(257)[0] == 320
+    assert pg.key(1025, 1, SLOT_BUCKETS) is None and pg.key(1024, 1, SLOT_BUCKETS) == (1024, 4)
 
 
 def test_layouts_it_cannot_hold():
@@ -99,7 +109,7 @@ def test_one_planter_serves_rows_of_other_states_and_positions():
         assert_close(probs, reference(ids, [n - 1], [4]))
         _, (want,) = plain_path().run([(ids, [n - 1], [4])], [plan])
         assert_planted_equal(pl, want)
-    assert keys == {(384, 4), (256, 4)}
+    assert keys == {(384, 4), (320, 4), (256, 4)}  # 320 and 300 tokens share a graph, as the two rows of 330 do
 
 
 def test_plain_path_runs_planting_rows_alone_through_the_planter(monkeypatch):
