@@ -266,12 +266,12 @@ class PlantGraph:
     graphs=False runs the same forward eagerly (the CPU tests' form; `between` then runs between the pieces too)."""
 
     def __init__(self, model, kernels, pool, max_tokens: int, stats: dict, failures: list[str], *, bucket: int = 128,
-                 fine_tokens: int = 4096, every: int = 4, graphs: bool = True, overlap: bool = False):
+                 fine_tokens: int = 4608, every: int = 4, graphs: bool = True, overlap: bool = False):
         self.model, self.kernels, self.pool = model, kernels, pool
         self.bucket, self.max_tokens, self.every = bucket, max_tokens - max_tokens % bucket, every
         # new pages of up to fine_tokens pad to half a bucket: on an H200 at the 9B shape a 2432 + 64-token row padded
         # to 2560 took 1.068x its plain graph (padded to 2496), one of 4096 + 64 tokens 1.017x (bench/README.md,
-        # session 9); the finer steps cost ~30 more graphs at start-up
+        # session 9); 4608: a 4096-token state and its question; the finer steps cost ~34 more graphs at start-up
         self.fine_tokens = fine_tokens - fine_tokens % (bucket // 2)
         self.stats, self.failures, self.use_graphs = stats, failures, graphs
         self.W1 = model.cfg.linear_conv_kernel_dim - 1
