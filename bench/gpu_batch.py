@@ -193,7 +193,8 @@ def main():
                 save()
             if dev.type == "cuda" and time.perf_counter() - T0 < args.budget:
                 try:
-                    variants(cfg, dev, dtype, args.state)
+                    for B in (16, 1):  # the 16-hit case, and a stop's usual single row
+                        variants(cfg, dev, dtype, args.state, B=B)
                 except Exception:  # noqa: BLE001
                     R["errors"].append("variants: " + traceback.format_exc()[-2000:])
                     log(R["errors"][-1])
@@ -286,7 +287,7 @@ def variants(cfg, dev, dtype, state: int, B: int = 16, L: int = 64):
                        device=dev)
     starts = torch.full((B,), state, device=dev)
     for bm, bn, w in ((64, 32, 4), (64, 64, 4), (64, 32, 8), (128, 32, 8), (32, 32, 4), (64, 64, 8)):
-        name = f"span_m{bm}_n{bn}_w{w}"
+        name = f"{'' if B == 16 else f'b{B}_'}span_m{bm}_n{bn}_w{w}"
         try:
             out[name] = graph_us([lambda: span_triton.attend_batch(q, k, v, cu, starts, off, L, D**-0.5, block_m=bm,
                                                                    block_n=bn, num_warps=w)])
@@ -299,8 +300,8 @@ def variants(cfg, dev, dtype, state: int, B: int = 16, L: int = 64):
     gd = -torch.rand(T, Hv, device=dev) * 0.3
     bd = torch.rand(T, Hv, device=dev, dtype=dtype)
     S = torch.zeros(B, Hv, Dk, Dv, device=dev)
-    for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8)):
-        name = f"delta_v{bv}_w{w}"
+    for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (128, 16)):  # 128: one program a head and sequence
+        name = f"{'' if B == 16 else f'b{B}_'}delta_v{bv}_w{w}"
         try:
             out[name] = graph_us([lambda: gdn_triton.delta_batch(qd, kd, vd, gd, bd, S, cu, L, block_v=bv, num_warps=w)])
         except Exception as e:  # noqa: BLE001
