@@ -277,11 +277,11 @@ class PlantGraph:
         self.W1 = model.cfg.linear_conv_kernel_dim - 1
         self.graphs: dict[tuple[int, int], _Pieces | None] = {}
         self._bufs: dict | None = None
-        self._stream = None  # the one stream every capture records on (made on the first capture)
-        # overlap: with graphs, the pieces replay on a stream of their own and `between` runs beside them
-        # (`_replay_overlapped`); off: a stop runs after the piece before it, on one stream
+        # the planter's own stream: every capture records on it (so its graphs have a cuBLAS workspace of their own),
+        # and with overlap the pieces replay on it while `between` runs on the caller's (`_replay_overlapped`); off:
+        # a stop runs after the piece before it, on the caller's stream
+        self._stream = torch.cuda.Stream(device=model.device) if graphs and model.device.type == "cuda" else None
         self.overlap = overlap
-        self._run_stream = torch.cuda.Stream(device=model.device) if graphs and model.device.type == "cuda" else None
 
     def bufs(self) -> dict:
         """The static buffers, shared by every shape (allocated on first use, sized for max_tokens)."""
@@ -362,8 +362,6 @@ class PlantGraph:
                 state["g"] = torch.cuda.CUDAGraph()
                 state["g"].capture_begin(pool=self.pool)
 
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.no_grad():
@@ -444,7 +442,7 @@ class PlantGraph:
         buffers and its own graph pool (captured on the planter's own stream: its own cuBLAS workspace), so nothing
         a stop reads or writes is touched; the caller's stream waits for the last piece before anything reads them."""
         main = torch.cuda.current_stream()
-        run = self._run_stream
+        run = self._stream
         run.wait_stream(main)  # the inputs copied on the caller's stream
         ends: list = []
         try:

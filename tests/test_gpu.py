@@ -224,7 +224,7 @@ def test_planting_graph_stops_beside_its_pieces_change_nothing(kernels):
 
     eng = Engine(device="cuda", dtype="bfloat16", compile=False, precapture=False)
     pp, planter = eng.plain, eng.plain.planter
-    assert planter is not None and planter._run_stream is not None
+    assert planter is not None and planter._stream is not None
     g = torch.Generator().manual_seed(3)
     rand = lambda n: torch.randint(0, eng.vocab_size, (n,), generator=g).tolist()  # noqa: E731
     base = rand(640)

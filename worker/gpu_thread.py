@@ -10,7 +10,8 @@ the ready jobs in Redis nobody took plus the rows queued here), and resolve each
 handing it the whole drained batch at once is this thread's. After each batch, `on_batch` gets the rows'
 results and timings and a snapshot of `engine.stats()` (for the metrics). While a batch runs a long forward,
 an engine that takes a `between` callback calls it between its chunks; once enough rows wait or the oldest has
-waited long enough (`between_min_rows`, `between_wait_s`), rows that arrived meanwhile and can be answered at once (`engine.answer_ready`: memo answers, continuations of saved states) are answered then (they
+waited long enough (`between_min_rows`, `between_wait_s`), rows that arrived meanwhile and can be answered at
+once (`engine.answer_ready`: memo answers, continuations of saved states) are answered then (they
 reach the model and resolve there), the rest stay queued for the next batch (chunked prefill) and are not offered
 again while this batch runs.
 
