@@ -123,10 +123,11 @@ class Engine:
             log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
                      f"; failed: {info['failed']}" if info["failed"] else "")
         # plant_graphs: new states through statecache.plant.PlantGraph (default: where CUDA graphs are used; True on
-        # the CPU runs its forward eagerly, the tests' form)
+        # the CPU runs its forward eagerly, the tests' form). The one place that decides whether its graphs advance a
+        # state to a position off the 64-token chunks (a cost to every new page): only a cache aligned to less needs it
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
                                specialists=self.specialists, between_layers=between_layers, plant_graphs=plant_graphs,
-                               plant_overlap=plant_overlap)
+                               plant_overlap=plant_overlap, plant_unaligned=self.cache.s.align % 64 != 0)
         if self.precapture_info is not None:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
             # short lone rows' graphs, and the planting graphs of every length a new state can have

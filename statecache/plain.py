@@ -51,7 +51,7 @@ class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
                  bucket: int = 64, max_graph_tokens: int = 8192, pool=None, specialists=None,
                  plant_graphs: bool | None = None, between_layers: int = 4, plant_bucket: int = 128,
-                 plant_overlap: bool = False):
+                 plant_overlap: bool = False, plant_unaligned: bool = False):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.spec = specialists  # statecache.specialists.Specialists | None
         if specialists is not None:  # fold the adapters into the weights now, before any graph is captured
@@ -68,7 +68,9 @@ class PlainPath:
         self.stats = new_stats()
         self.failures: list[str] = []
         # a lone planting row as CUDA graphs (statecache.plant.PlantGraph; by default where graphs are used, eagerly when
-        # asked for without them; never with specialists: their new states plant through the cache's chunked path)
+        # asked for without them; never with specialists: their new states plant through the cache's chunked path).
+        # plant_unaligned: its graphs can hold one position off the 64-token chunks, at a cost to every row (off: such
+        # plans run packed; PlantGraph)
         want = self.use_graphs if plant_graphs is None else plant_graphs
         self.planter = None
         if want and specialists is None and kernels.states_ok(model.dtype):
@@ -77,7 +79,7 @@ class PlainPath:
             own_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
             self.planter = PlantGraph(model, kernels, own_pool, max_graph_tokens, self.stats, self.failures,
                                       bucket=plant_bucket, every=between_layers, graphs=self.use_graphs,
-                                      overlap=plant_overlap)
+                                      overlap=plant_overlap, unaligned=plant_unaligned)
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices of rows packed greedily into forwards of at most max_tokens tokens (a longer row goes alone)."""

@@ -18,7 +18,8 @@ S [G, Hv, Dk, Dv] float32, K, V [A, p, Hkv, D].
 
 `PlantGraph` runs a lone planting row as CUDA graphs (one per padded length, in pieces of a few layers so that
 short work can run in between), its checkpoints taken with their positions as data: the form a new page takes when
-it has a graph; packs of rows, image rows and plans it cannot hold take `PlantMixer`.
+it has a graph; packs of rows, image rows and plans it cannot hold (with `unaligned` off, every plan with a position
+off the 64-token chunks) take `PlantMixer`.
 
 Knows nothing of the cache, its index or its policy: statecache.plain runs it, statecache.engine plants the result.
 """
@@ -196,15 +197,17 @@ class PlantMixer(PackedMixer):
 
 # ---- a lone planting row as CUDA graphs ----------------------------------------------------------------------------
 
-SNAP_SLOTS = 8  # checkpoints a planting graph keeps: chunk-aligned ones in slots 0.., one unaligned in the last slot
+SNAP_SLOTS = 8  # checkpoints a planting graph keeps: chunk-aligned ones in slots 0.. (with `unaligned`, the last one
+# kept for one unaligned position)
 CHUNK = 64  # the delta rule's chunk: states at multiples of this come from the chunked kernels as they run
 
 
 @dataclass
 class _Pieces:
     inp: torch.Tensor  # [T + 2 * S] long: ids | slots | nopts (statecache.graphs.fill_inputs)
-    idx: torch.Tensor  # [M * (W - 1) + M + CHUNK + 1] long: conv-tail positions | chunk per slot | the unaligned
-    # checkpoint's chunk tokens | how many of them count (see PlantGraph.layout)
+    idx: torch.Tensor  # [M * (W - 1) + M + CHUNK + 1] long: conv-tail positions | chunk per slot | the last slot's
+    # chunk tokens | how many of them count (0 unless it holds an unaligned checkpoint; see PlantGraph.layout). The
+    # same layout with `unaligned` off, whose forward never reads the last two parts
     out: torch.Tensor | None = None  # [S, n_letters]
     graphs: list = field(default_factory=list)  # one per piece of layers (cut every `every` layers)
 
@@ -212,17 +215,22 @@ class _Pieces:
 class _GraphPlantMixer(PackedMixer):
     """The packed mixer of one padded row that also keeps what a planting needs, all in static buffers and with the
     positions as data (so one graph serves every row of its padded length): each GDN layer's conv inputs at the
-    checkpoints' tails (gathered), its delta-rule states at the checkpoints' chunk starts (`delta_states`), the last
-    slot advanced through the unaligned checkpoint's tokens past its chunk start (the one-chunk kernel, the other
-    tokens of that chunk masked out with g = 0 and beta = 0), and the attention K/V. `cut(i)` runs after every
-    `every` layers but the last (a graph piece ends there; eagerly, the caller's `between`)."""
+    checkpoints' tails (gathered), its delta-rule states at the checkpoints' chunk starts (`delta_states`), and the
+    attention K/V. With `advance` the last slot is then advanced through its checkpoint's tokens past its chunk
+    start (the one-chunk kernel, the other tokens of that chunk masked out with g = 0 and beta = 0; none count when
+    that checkpoint is aligned): an unaligned checkpoint's state. Without it no layer runs that kernel, and the last
+    slot is a chunk start like the others. `cut(i)` runs after every `every` layers but the last (a graph piece ends
+    there; eagerly, the caller's `between`)."""
 
-    def __init__(self, kernels, cu, T: int, bufs: dict, idx: torch.Tensor, W1: int, n_layers: int, every: int, cut):
+    def __init__(self, kernels, cu, T: int, bufs: dict, idx: torch.Tensor, W1: int, n_layers: int, every: int, cut,
+                 advance: bool):
         super().__init__(kernels, cu, T)
         M = SNAP_SLOTS
         self.T, self.b, self.n_layers, self.every, self.cut = T, bufs, n_layers, every, cut
         self.conv_idx, self.at, self.adv_idx, adv_len = torch.split(idx, [M * W1, M, CHUNK, 1])
-        self.adv_live = (torch.arange(CHUNK, device=idx.device) < adv_len)[:, None]  # [CHUNK, 1]
+        self.advance = advance
+        if advance:
+            self.adv_live = (torch.arange(CHUNK, device=idx.device) < adv_len)[:, None]  # [CHUNK, 1]
 
     def after_layer(self, i: int) -> None:
         if self.every > 0 and (i + 1) % self.every == 0 and i + 1 < self.n_layers:
@@ -236,10 +244,11 @@ class _GraphPlantMixer(PackedMixer):
         o, states = self.k.delta_states(q[None], k[None], v[None], g[None], beta[None], self.at)
         S = self.b["S"][j]
         S.copy_(states)
-        q1, k1, v1 = (t.index_select(0, self.adv_idx) for t in (q, k, v))
-        g1 = g.index_select(0, self.adv_idx) * self.adv_live
-        b1 = beta.index_select(0, self.adv_idx) * self.adv_live.to(beta.dtype)
-        self.k.delta_into(q1, k1, v1, g1, b1, S[-1])
+        if self.advance:
+            q1, k1, v1 = (t.index_select(0, self.adv_idx) for t in (q, k, v))
+            g1 = g.index_select(0, self.adv_idx) * self.adv_live
+            b1 = beta.index_select(0, self.adv_idx) * self.adv_live.to(beta.dtype)
+            self.k.delta_into(q1, k1, v1, g1, b1, S[-1])
         return o[0]
 
     def attend(self, a, q, k, v, scale):
@@ -254,20 +263,24 @@ class PlantGraph:
     (T, slot bucket) and cut into pieces every `every` layers, so that a caller's `between` (short
     work that arrived meanwhile) runs between the pieces, as it does between the layers of an eager packed forward.
     The checkpoints come out of that same forward with their positions as data: chunk-aligned positions take the
-    delta rule's own per-chunk states (`kernels.delta_states`), at most one unaligned position (with the cache
-    aligned to less than 64 tokens; at the default 64 every position is a chunk start) its chunk start's state
-    advanced by the one-chunk kernel; conv tails are gathered, K/V
-    copied out of static buffers. So a new state costs its plain forward plus those copies, with no Python per
-    delta-rule call and no capture while serving (`precapture`). A plan this layout cannot hold (more than
-    SNAP_SLOTS - 1 aligned positions, two unaligned ones, a first position inside the conv window) or a shape with
-    no graph gives None: the caller runs the row packed (PlantMixer). On CUDA the states at chunk starts are fla's,
-    kept in the model dtype and widened to float32 (the chunked path's are float32 throughout); on the CPU they are
-    the reference's float32 states, so the packed planting forward's checkpoints are matched exactly.
+    delta rule's own per-chunk states (`kernels.delta_states`). With `unaligned`, at most one position off the chunks
+    (a cache aligned to less than 64 tokens) takes its chunk start's state advanced by the one-chunk kernel, which
+    then runs in every GDN layer of every row whatever its plan (a kernel and a few gathers per layer); so it is off
+    by default, since at the cache's default alignment of 64 every position is a chunk start. Conv tails are
+    gathered, K/V copied out of static buffers. So a new state costs its plain forward plus those copies, with no
+    Python per delta-rule call and no capture while serving (`precapture`). A plan this layout cannot hold (more
+    aligned positions than SNAP_SLOTS, or SNAP_SLOTS - 1 with `unaligned`; an unaligned position without
+    `unaligned`, two with it; a first position inside the conv window) or a shape with no graph gives None: the
+    caller runs the row packed (PlantMixer). On CUDA the states at chunk starts are fla's, kept in the model dtype
+    and widened to float32 (the chunked path's are float32 throughout); on the CPU they are the reference's float32
+    states, so the packed planting forward's checkpoints are matched exactly.
     graphs=False runs the same forward eagerly (the CPU tests' form; `between` then runs between the pieces too)."""
 
     def __init__(self, model, kernels, pool, max_tokens: int, stats: dict, failures: list[str], *, bucket: int = 128,
-                 fine_tokens: int = 4608, every: int = 4, graphs: bool = True, overlap: bool = False):
+                 fine_tokens: int = 4608, every: int = 4, graphs: bool = True, overlap: bool = False,
+                 unaligned: bool = False):
         self.model, self.kernels, self.pool = model, kernels, pool
+        self.unaligned = unaligned  # the graphs advance the last slot to an unaligned position (the caller decides)
         self.bucket, self.max_tokens, self.every = bucket, max_tokens - max_tokens % bucket, every
         # new pages of up to fine_tokens pad to half a bucket: on an H200 at the 9B shape a 2432 + 64-token row padded
         # to 2560 took 1.068x its plain graph (padded to 2496), one of 4096 + 64 tokens 1.017x (bench/README.md,
@@ -307,13 +320,16 @@ class PlantGraph:
     def layout(self, plan: list[int], T: int) -> tuple[list[int], list[int]] | None:
         """plan (ascending positions) -> (the idx buffer's values, each position's slot), or None when the layout
         cannot hold it (see the class docstring; also a position at or past the padded end T). Unused slots gather
-        the conv inputs at position 0 and the state at chunk 0; they are never planted."""
+        the conv inputs at position 0 and the state at chunk 0; they are never planted. With `unaligned` the last
+        slot is kept for an unaligned position; without it every slot can take an aligned one."""
         M, W1 = SNAP_SLOTS, self.W1
         aligned = [c for c in plan if c % CHUNK == 0]
         odd = [c for c in plan if c % CHUNK]
-        if not plan or len(odd) > 1 or len(aligned) > M - 1 or plan[0] < W1 or plan[-1] >= T:
+        n_aligned = M - 1 if self.unaligned else M
+        if (not plan or len(odd) > (1 if self.unaligned else 0) or len(aligned) > n_aligned or plan[0] < W1
+                or plan[-1] >= T):
             return None
-        at_slot = aligned + [0] * (M - 1 - len(aligned)) + [odd[0] if odd else 0]
+        at_slot = aligned + [0] * (n_aligned - len(aligned)) + ([odd[0] if odd else 0] if self.unaligned else [])
         conv = [max(c - W1 + r, 0) for c in at_slot for r in range(W1)]
         chunk = [c // CHUNK for c in at_slot]
         a = at_slot[-1] - at_slot[-1] % CHUNK
@@ -328,7 +344,7 @@ class PlantGraph:
         dev = p.inp.device
         cu = torch.arange(0, 2 * T, T, dtype=torch.int32, device=dev)
         mix = _GraphPlantMixer(self.kernels, cu, T, self.bufs(), p.idx, self.W1, len(self.model.w.layers),
-                               self.every, cut)
+                               self.every, cut, self.unaligned)
         h = self.model.body(ids, torch.arange(T, device=dev), mix)
         return self.model.letter_probs(h.index_select(0, slots), nopts)
 

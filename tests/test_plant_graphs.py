@@ -2,11 +2,13 @@
 
 CUDA graphs need a GPU; here the same forward runs eagerly (`graphs=False`): the padded row's forward with the
 checkpoints' conv tails gathered, the delta rule's states at chunk starts (`delta_states`), the unaligned checkpoint
-advanced through the one-chunk path with the rest of its chunk masked out, the K/V copied out of the static
-buffers. Its answers equal the plain forward's and its checkpoints the packed planting forward's (float32). Through
-PlainPath: a lone planting row goes to the planter, several go one at a time, a plan the layout cannot hold goes
-packed, `between` runs between the pieces; in graph mode a shape without a graph runs packed and nothing is captured
-while serving. Through the engine: new states run one forward each, each answered before the next one's forward.
+advanced through the one-chunk path with the rest of its chunk masked out (with `unaligned`; without it such a plan
+is refused and no layer runs that path), the K/V copied out of the static buffers. Its answers equal the plain
+forward's and its checkpoints the packed planting forward's (float32). Through PlainPath: a lone planting row goes
+to the planter, several go one at a time, a plan the layout cannot hold goes packed, `between` runs between the
+pieces; in graph mode a shape without a graph runs packed and nothing is captured while serving. Through the engine:
+new states run one forward each, each answered before the next one's forward, and `unaligned` is on only for a cache
+aligned to less than 64 tokens.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ def _threads():
         yield
 
 
-def planter(every: int = 4) -> PlantGraph:
-    return PlantGraph(small_model(), TorchKernels(), None, 1024, graphs_mod.new_stats(), [], every=every, graphs=False)
+def planter(every: int = 4, unaligned: bool = False, kernels=None) -> PlantGraph:
+    return PlantGraph(small_model(), kernels or TorchKernels(), None, 1024, graphs_mod.new_stats(), [], every=every,
+                      graphs=False, unaligned=unaligned)
 
 
 def assert_planted_equal(pl, want) -> None:
@@ -68,7 +71,7 @@ def test_padded_lengths_are_fine_up_to_fine_tokens_then_coarse():
 
 
 def test_layouts_it_cannot_hold():
-    pg = planter()
+    pg = planter(unaligned=True)
     assert pg.layout([100, 130], 256) is None  # two unaligned positions
     assert pg.layout(list(range(64, 64 * (SNAP_SLOTS + 1), 64)), 1024) is None  # more aligned ones than slots
     assert pg.layout([2, 64], 256) is None  # a first position inside the conv window
@@ -168,7 +171,7 @@ def test_an_unaligned_position_is_advanced_from_its_chunk_start(plan):
     """A plan with one position off the 64-token chunks (a cache aligned to less than 64, or a tail that is not a
     multiple of it): its state is its chunk start's advanced through the tokens before it, the rest of the chunk
     masked out; all of it equals the packed planting forward's (which splits the delta rule there)."""
-    pg = planter(every=2)
+    pg = planter(every=2, unaligned=True)
     n = 300
     ids = toks(n, 60 + plan[-1])
     assert pg.layout(plan, 384) is not None
@@ -186,3 +189,97 @@ def test_an_unaligned_position_is_advanced_from_its_chunk_start(plan):
 def test_a_plan_past_the_row_is_refused():
     with pytest.raises(ValueError):
         planter().run(toks(200, 1), [199], [4], [64, 250], SLOT_BUCKETS)
+
+
+class CountingKernels(TorchKernels):
+    """TorchKernels counting its one-chunk delta-rule calls (the unaligned advance's kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.into = 0
+
+    def delta_into(self, *a, **k):
+        self.into += 1
+        return super().delta_into(*a, **k)
+
+
+@pytest.mark.parametrize("n,state_len,stride", [(320, 300, 128), (700, 650, 128), (130, 64, 0)])
+def test_without_unaligned_aligned_plans_plant_the_same_and_skip_the_advance(n, state_len, stride):
+    """unaligned=False (the default): a plan of chunk starts gives exactly what unaligned=True gives (answers and
+    checkpoints), and no layer runs the one-chunk kernel; with unaligned=True every GDN layer runs it once."""
+    plan = make_cache(False, stride=stride, tail=16).plan(state_len)
+    assert all(c % 64 == 0 for c in plan)
+    ids = toks(n, 90 + n)
+    slots, nopts = [n - 1, state_len], [4, 7]
+    k_off, k_on = CountingKernels(), CountingKernels()
+    probs, pl = planter(kernels=k_off).run(ids, slots, nopts, plan, SLOT_BUCKETS)
+    probs_on, pl_on = planter(kernels=k_on, unaligned=True).run(ids, slots, nopts, plan, SLOT_BUCKETS)
+    assert k_off.into == 0 and k_on.into == len(small_model().cfg.linear_layers)
+    assert probs == probs_on
+    assert pl.positions == pl_on.positions == plan
+    for a, b in ((pl.S, pl_on.S), (pl.conv, pl_on.conv), ([pl.K, pl.V], [pl_on.K, pl_on.V])):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    _, (want,) = plain_path().run([(ids, slots, nopts)], [plan])
+    assert_planted_equal(pl, want)
+
+
+def test_without_unaligned_every_slot_takes_an_aligned_position():
+    """unaligned=False: SNAP_SLOTS chunk starts fit (the last slot is an ordinary one), one more does not; with
+    unaligned=True one fewer fits (the last slot is kept for an unaligned position)."""
+    full = list(range(64, 64 * (SNAP_SLOTS + 1), 64))
+    assert planter().layout(full + [64 * (SNAP_SLOTS + 1)], 1024) is None
+    assert planter(unaligned=True).layout(full, 1024) is None
+    idx, slots = planter().layout(full, 1024)
+    W1 = planter().W1
+    assert slots == list(range(SNAP_SLOTS))
+    assert idx[SNAP_SLOTS * W1 : SNAP_SLOTS * W1 + SNAP_SLOTS] == [c // 64 for c in full] and idx[-1] == 0
+    n = full[-1] + 20
+    ids = toks(n, 77)
+    probs, pl = planter().run(ids, [n - 1], [4], full, SLOT_BUCKETS)
+    assert_close(probs, reference(ids, [n - 1], [4]))
+    _, (want,) = plain_path().run([(ids, [n - 1], [4])], [full])
+    assert_planted_equal(pl, want)
+
+
+@pytest.mark.parametrize("plan", [[64, 176, 192], [100], [64, 128, 129]])
+def test_without_unaligned_a_plan_off_the_chunks_is_refused_and_runs_packed(plan):
+    """unaligned=False: a plan with a position off the 64-token chunks has no layout (`can` says no), so PlainPath
+    runs that row packed (PlantMixer), answered and planted as the packed planting forward does."""
+    pg = planter()
+    assert pg.layout(plan, 384) is None and not pg.can(300, 1, plan, SLOT_BUCKETS)
+    assert planter(unaligned=True).can(300, 1, plan, SLOT_BUCKETS)
+    pp = PlainPath(small_model(), TorchKernels(), plant_graphs=True, max_graph_tokens=1024)
+    assert pp.planter is not None and not pp.planter.unaligned
+    assert PlainPath(small_model(), TorchKernels(), plant_graphs=True, plant_unaligned=True).planter.unaligned
+    ids = toks(300, 11 + plan[-1])
+    row = (ids, [299], [4])
+    outs, (pl,) = pp.run([row], [plan])
+    assert pp.stats.get("planting_graph_rows", 0) == 0 and pp.stats["packed_forwards"] == 1
+    assert_close(outs[0][0], reference(*row))
+    _, (want,) = plain_path().run([row], [plan])
+    assert_planted_equal(pl, want)
+
+
+@pytest.mark.parametrize("align,state_len,unaligned", [(64, 300, False), (128, 300, False), (32, 300, True),
+                                                     (16, 330, True), (16, 300, True)])
+def test_the_engine_advances_to_unaligned_positions_only_for_a_cache_aligned_to_less_than_64(align, state_len,
+                                                                                            unaligned):
+    """The engine turns `unaligned` on exactly when its cache is aligned to less than 64 tokens; a new state with one
+    position off the chunks then goes through the planting graph, one with two (16, 300: 272 and 288) runs packed;
+    either way its answers equal the plain forward's and its state serves the next question."""
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+    from tests.test_engine import check
+
+    eng = Engine(device="cpu", dtype="float32", max_pos=2048, plant_graphs=True,
+                 settings=CacheSettings(min_prefix=64, stride=192, align=align))
+    assert eng.plain.planter is not None and eng.plain.planter.unaligned is unaligned
+    odd = [c for c in eng.cache.plan(state_len) if c % 64]
+    assert len(odd) == (0 if align >= 64 else 2 if (align, state_len) == (16, 300) else 1)
+    state = toks(state_len, 5)
+    for k in range(2):
+        rows = [{"ids": state + toks(6 + k, 6 + k), "state_len": state_len, "slots": [state_len + 5 + k], "nopts": [4]}]
+        res = eng.answer(rows)
+        check(eng, rows, res)
+        assert res[0]["path"] == ("cold" if k == 0 else "hit")
+    assert eng.plain.stats.get("planting_graph_rows", 0) == (1 if len(odd) <= 1 else 0)
