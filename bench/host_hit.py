@@ -1,16 +1,28 @@
-"""The host side of a hit (a row whose state is saved; only its question runs), timed on this CPU.
+"""The host side of hits (rows whose state is saved; only their question runs), timed on this CPU.
 
-    python bench/host_hit.py [--tokens 4096] [--question 48] [--reps 300] [--stub-forward] [--out DIR] [--profile]
+    python bench/host_hit.py [--tokens 4096] [--question 48] [--rows 1] [--reps 300] [--stub-forward [--graphs]]
+                             [--out DIR] [--profile]
 
-A 4k-token state is planted once (the tiny model's engine, CPU, eager batched forward), then rows of that state
-with a new question each (so no memo hit) are answered one at a time, as `statecache score` does: a JSON line in
-(`statecache.cli.loads_line`: orjson, else json), `Engine.answer([row])`, a JSON line out (`json.dumps`). Each part of the engine's path is timed by
-wrapping the function that does it (time.perf_counter, medians over --reps rows); the model's forward
-(`BatchRunner._forward`, the part a CUDA graph replay replaces on the GPU) is timed apart and subtracted from the
-whole, which leaves the host time of a hit. The CPU forward evicts the host's caches, so the host parts run
-colder than beside a GPU's forward; --stub-forward replaces `_forward` by uniform probabilities (no model at all:
-the answers are then meaningless) to time them warm. --profile prints cProfile's top functions of the hits.
+--rows N states of --tokens tokens each are planted once (the tiny model's engine, CPU), then each repetition asks
+N rows, one of each state with a new question (so no memo hit), as a batch: N JSON lines in
+(`statecache.cli.loads_line`: orjson, else json), one `Engine.answer(rows)` (the N hits run as one batched forward),
+N JSON lines out (`json.dumps`), as `statecache score` does for N=1. Then the same N-row batches go straight to one
+`StateCache.rows_batched` call (ids as the engine hands them: int64 arrays, validated beforehand; no memo, no
+grouping). Each part of the path is timed by wrapping the function that does it (time.perf_counter, summed within
+a call, medians over --reps calls); the model's forward (`BatchRunner._forward`, the part a CUDA graph replay
+replaces on the GPU) is timed apart and subtracted from the whole, which leaves the host time of the hits. The CPU
+forward evicts the host's caches, so the host parts run colder than beside a GPU's forward; --stub-forward
+replaces `_forward` by uniform probabilities (no model at all: the answers are then meaningless) to time them warm.
+--graphs (with --stub-forward) runs the batch runner as on the GPU: bucketed shapes, stand-in graphs whose replay
+does nothing (the input buffer still goes through the graph's staging copy, `_send`), and the Triton kernels'
+host side (`load` copies conv tails only; GDN states are read in place); without it the eager CPU path runs
+(`_views`, every GDN state copied into its slot). --profile prints cProfile's top functions of the calls.
 Prints a table; --out writes host_hit.json.
+
+What it does not know: the GPU. Copies and launches that are asynchronous there (`load`'s copies, `_send`) are
+synchronous memcpys here, and `read`'s wait for the GPU is absent; the tiny model has 6 GDN and 2 attention layers
+(the 9B 24 and 8), so per-layer host work (`_pack`'s offsets) is smaller here. It times the host's own work, not
+how much of it overlaps the GPU's.
 """
 
 from __future__ import annotations
@@ -59,16 +71,42 @@ def _owner(path: str):
     return getattr(m, cls) if cls else m
 
 
+STAMPS: dict[str, float] = {}  # per call: when the first replay started, when the last `read` returned
+
+
+def _graph_mode(runner) -> None:
+    """The batch runner's host path as on the GPU (--graphs): bucketed shapes, the Triton kernels' `load` and
+    offsets, and stand-in graphs (capture runs the stubbed forward once; replay does nothing)."""
+    import statecache.graphs as graphs_mod
+
+    class NoReplay:
+        def replay(self):
+            STAMPS.setdefault("replay", time.perf_counter())  # the first replay of a call
+
+    def capture(fn, pool, warmup=2):
+        return NoReplay(), fn()
+
+    graphs_mod.capture = capture
+    runner.use_graphs = runner.pad = True
+    runner.bk.triton = True
+    runner.graphs = {}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--question", type=int, default=48)
+    ap.add_argument("--rows", type=int, default=1, help="hits a call (each of its own state)")
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--stub-forward", action="store_true", help="no model forward (host parts with warm caches)")
+    ap.add_argument("--graphs", action="store_true", help="with --stub-forward: the GPU's host path (stand-in graphs)")
     args = ap.parse_args(argv)
+    if args.graphs and not args.stub_forward:
+        ap.error("--graphs needs --stub-forward")
 
+    import numpy as np
     import torch
 
     from statecache.engine import Engine
@@ -76,18 +114,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from statecache.cli import loads_line
 
-    eng = Engine(None, "cpu", "float32", cache_mb=256)
+    N, n, q = args.rows, args.tokens, args.question
+    eng = Engine(None, "cpu", "float32", cache_mb=max(256, 24 * N))
     rng = random.Random(0)
-    n, q = args.tokens, args.question
-    state = [rng.randrange(eng.vocab_size) for _ in range(n)]
+    states = [[rng.randrange(eng.vocab_size) for _ in range(n)] for _ in range(N)]
 
-    def line(k: int) -> str:
-        r = random.Random(k)
-        ids = state + [r.randrange(eng.vocab_size) for _ in range(q)]
-        return json.dumps({"ids": ids, "state_len": n, "slots": [n + q - 1], "nopts": [4]})
+    def row(k: int, j: int) -> dict:
+        r = random.Random(k * 1000 + j)
+        ids = states[j] + [r.randrange(eng.vocab_size) for _ in range(q)]
+        return {"ids": ids, "state_len": n, "slots": [n + q - 1], "nopts": [4]}
 
-    first = eng.answer([json.loads(line(10**9))])[0]
-    assert first["path"] == "cold", first
+    firsts = eng.answer([row(10**9, j) for j in range(N)])
+    assert all(f["path"] == "cold" for f in firsts), firsts
     if args.stub_forward:
         from statecache.batch import BatchRunner
 
@@ -95,7 +133,12 @@ def main(argv=None) -> int:
             return torch.full((Bb * self.max_slots, len(eng.letter_ids)), 1 / len(eng.letter_ids))
 
         BatchRunner._forward = stub
-    lines = [line(k) for k in range(args.reps + 20)]
+        if args.graphs:
+            _graph_mode(eng.cache.batch)
+    reps, warm = args.reps, 20
+    lines = [[json.dumps(row(k, j)) for j in range(N)] for k in range(reps + warm)]
+    direct = [[(np.asarray(x["ids"], dtype=np.int64), x["state_len"], x["slots"], x["nopts"])
+               for x in (row(10**6 + k, j) for j in range(N))] for k in range(reps + warm)]
 
     acc: dict[str, list[float]] = defaultdict(list)
     cur: dict[str, float] = defaultdict(float)
@@ -111,63 +154,96 @@ def main(argv=None) -> int:
                 try:
                     return fn(*a, **kw)
                 finally:
-                    cur[label] += time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    cur[label] += t1 - t0
+                    STAMPS[label] = t1
             return timed
 
         setattr(owner, attr, wrap())
         undo.append((owner, attr, fn))
+    fwd_label, read_label = "    BatchRunner._forward (model)", "    BatchRunner.read"
 
-    def one(text: str, keep: bool) -> str:
+    def one(texts: list[str], keep: bool) -> str:
         cur.clear()
         t0 = time.perf_counter()
-        row = loads_line(text)
+        rows = [loads_line(text) for text in texts]
         t1 = time.perf_counter()
-        res = eng.answer([row])[0]
+        res = eng.answer(rows)
         t2 = time.perf_counter()
-        out = json.dumps(res) + "\n"
+        out = "".join(json.dumps(r) + "\n" for r in res)
         t3 = time.perf_counter()
-        assert res["path"] == "hit", res
+        assert all(r["path"] == "hit" for r in res), res
         if keep:
             acc["loads_line (score's read)"].append(t1 - t0)
             acc["Engine.answer (all)"].append(t2 - t1)
             acc["json.dumps (score's write)"].append(t3 - t2)
             for label, _, _ in PARTS:
                 acc[label].append(cur.get(label, 0.0))
-            fwd = cur.get("    BatchRunner._forward (model)", 0.0)
+            fwd = cur.get(fwd_label, 0.0)
             acc["Engine.answer minus forward"].append(t2 - t1 - fwd)
-            acc["score row minus forward (loads + answer + dumps)"].append(t3 - t0 - fwd)
+            acc["score rows minus forward (loads + answer + dumps)"].append(t3 - t0 - fwd)
         return out
 
-    for k in range(20):  # warm-up
+    dacc: dict[str, list[float]] = defaultdict(list)
+
+    def one_direct(rows: list, keep: bool) -> None:
+        cur.clear()
+        STAMPS.clear()
+        t0 = time.perf_counter()
+        res = eng.cache.rows_batched(rows)
+        t1 = time.perf_counter()
+        assert all(a is not None and a.path == "hit" for a in res), res
+        if keep:
+            for label, _, _ in PARTS:
+                dacc[label].append(cur.get(label, 0.0))
+            dacc["StateCache.rows_batched minus forward"].append(t1 - t0 - cur.get(fwd_label, 0.0))
+            if "replay" in STAMPS:  # the host work the GPU waits for, and the host work after the GPU's answer
+                dacc["serial: call to first replay (GPU idle)"].append(STAMPS["replay"] - t0)
+                dacc["serial: last read to return (GPU done)"].append(t1 - STAMPS[read_label])
+
+    for k in range(warm):
         one(lines[k], False)
+        one_direct(direct[k], False)
     t_all = time.perf_counter()
-    for text in lines[20:]:
-        one(text, True)
+    for texts in lines[warm:]:
+        one(texts, True)
     wall = time.perf_counter() - t_all
+    for rows in direct[warm:]:
+        one_direct(rows, True)
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for rows in direct[warm:]:
+            one_direct(rows, False)
+        prof.disable()
     for owner, attr, fn in undo:
         setattr(owner, attr, fn)
 
     order = ["loads_line (score's read)", *[p[0] for p in PARTS], "Engine.answer (all)", "json.dumps (score's write)",
-             "Engine.answer minus forward", "score row minus forward (loads + answer + dumps)"]
+             "Engine.answer minus forward", "score rows minus forward (loads + answer + dumps)"]
     res = {k: round(1e6 * statistics.median(acc[k]), 1) for k in order}
-    width = max(map(len, res))
-    print(f"a hit of {n} + {q} tokens, one row at a time, median microseconds over {args.reps} rows "
-          f"(timers add ~1 us a wrapped call; nested rows overlap):")
+    dorder = [p[0] for p in PARTS if dacc[p[0]] and max(dacc[p[0]]) > 0] + ["StateCache.rows_batched minus forward"]
+    dorder += [k for k in dacc if k.startswith("serial")]
+    dres = {k: round(1e6 * statistics.median(dacc[k]), 1) for k in dorder}
+    width = max(map(len, [*res, *dres]))
+    mode = "stand-in graphs" if args.graphs else "eager"
+    print(f"{N} hit(s) of {n} + {q} tokens a call ({mode}{', forward stubbed' if args.stub_forward else ''}), "
+          f"median microseconds a call over {reps} calls (timers add ~1 us a wrapped call; nested rows overlap):")
+    print(f"through Engine.answer ({N} rows a call):")
     for k, v in res.items():
         print(f"  {k:<{width}}  {v:9.1f} us")
-    print(f"  (wall {1e3 * wall / args.reps:.2f} ms a row with the timers)")
+    print(f"  (wall {1e3 * wall / reps:.2f} ms a call with the timers)")
+    print(f"through StateCache.rows_batched ({N} rows a call):")
+    for k, v in dres.items():
+        print(f"  {k:<{width}}  {v:9.1f} us")
     if args.profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for k in range(args.reps):
-            one(line(10_000 + k), False)
-        prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "host_hit.json").write_text(json.dumps({"tokens": n, "question": q, "reps": args.reps, "us": res},
-                                                      indent=1))
+        (out / "host_hit.json").write_text(json.dumps({"tokens": n, "question": q, "rows": N, "reps": reps,
+                                                       "mode": mode, "stub_forward": args.stub_forward,
+                                                       "us": res, "rows_batched_us": dres}, indent=1))
     return 0
 
 

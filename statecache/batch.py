@@ -1,10 +1,12 @@
 """Batched continuations: the short chunks of many rows, each continuing from its own saved state, in one forward.
 
-A *piece* is one chunk [s, e) of one row, continuing from that row's state at s: its GDN states (float32) and conv
-tails, gathered into this module's batch slots (row b of a forward uses slot b), and its attention K/V of [0, s),
-which stay where the cache stores them (one tensor per group, [A, p, Hkv, D]) and are addressed per sequence: the
-eager kernels take the tensors, the Triton kernels element offsets of each group's layer relative to this module's
-chunk K/V buffer (so no group's K/V is copied per row). The pieces of a forward are packed back to back
+A *piece* is one chunk [s, e) of one row, continuing from that row's state at s: its conv tails, gathered into this
+module's batch slots (row b of a forward uses slot b), its GDN states (float32), which the Triton delta kernel reads
+where the checkpoint keeps them (element offsets from slot b; the eager kernels get them gathered into the slots
+too) and whose state at e goes to slot b only for pieces that keep it (not after a question: nobody reads it), and
+its attention K/V of [0, s), which stay where the cache stores them (one tensor per group, [A, p, Hkv, D]) and are
+addressed per sequence: the eager kernels take the tensors, the Triton kernels element offsets of each group's layer
+relative to this module's chunk K/V buffer (so no group's K/V is copied per row). The pieces of a forward are packed back to back
 (cu_seqlens); rotary positions are s + i per sequence. Tokens past the last piece (a graph's padding) belong to no
 sequence: no kernel that mixes tokens reads or writes them.
 
@@ -19,7 +21,7 @@ router's route (or, inside a row's `between` hook, is given back as None).
 buckets, with or without snapshots, every per-sequence number in the graph's input buffer: the kernels loop over each
 sequence's own length, so no graph depends on the longest piece; the same code eagerly elsewhere)
 and returns the answers at each piece's slots; after it, the batch slots hold each row's state at its piece's end
-and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `precapture` captures every bucket's graph
+(pieces that keep it) and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `precapture` captures every bucket's graph
 at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
 
 A piece may also keep *snapshots*: its state at positions inside it (multiples of 64 tokens from its start, at
@@ -78,6 +80,7 @@ class Piece:
     nopts: tuple = ()
     route: int = 0  # specialists: the route its adapter layers run with
     snaps: tuple = ()  # positions in (s, e), multiples of CHUNK from s, where its state is also kept (`snapshot`)
+    keep_state: bool = True  # leave its state at e in its slot (False: nobody reads it, e.g. after a question)
 
 
 class NotBatched(Exception):
@@ -131,10 +134,11 @@ class BatchMixer:
     """The stateful parts of a forward of Bb packed sequences (Tb tokens), each continuing from its slot."""
 
     def __init__(self, bk, st: BatchState, Bb: int, Tb: int, lmax: int, pos, cu, starts, kv: BatchKV, lens=None,
-                 snaps: Snaps | None = None):
+                 snaps: Snaps | None = None, src=None):
         self.bk, self.st, self.Bb, self.Tb, self.lmax = bk, st, Bb, Tb, lmax
         self.pos, self.cu, self.starts, self.kv, self.lens = pos, cu, starts, kv, lens
         self.snaps = snaps
+        self.src = src  # (soff [G, Bb], keep [Bb]): where each sequence's GDN states lie (Triton kernels), or None
         self.live = torch.arange(Tb, device=pos.device) < cu[-1]  # [Tb]: tokens of some sequence
 
     def conv(self, j, x, w):
@@ -145,7 +149,8 @@ class BatchMixer:
 
     def delta(self, j, q, k, v, g, beta):
         snap = None if self.snaps is None else (self.st.snap_S[j], self.snaps)
-        return self.bk.delta(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, self.lmax, self.lens, snap)
+        src = None if self.src is None else (self.src[0][j], self.src[1])
+        return self.bk.delta(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, self.lmax, self.lens, snap, src)
 
     def attend(self, a, q, k, v, scale):
         Kc, Vc = self.st.K[a, : self.Tb], self.st.V[a, : self.Tb]
@@ -164,6 +169,7 @@ class BatchKernels:
         self.triton = getattr(kernels, "short_kernels", False) if triton is None else triton
         self.max_keys = 8192  # the longest span a sequence may have (sizes the span kernel's splits)
         self.span_kw: dict = {}  # launch knobs of span_triton.attend_batch (block sizes, splits)
+        self.delta_kw: dict = {}  # launch knobs of gdn_triton.delta_batch (value block, warps); overrides `delta_knobs`
         if self.triton:
             from . import conv_triton, gdn_triton, span_triton
 
@@ -180,12 +186,17 @@ class BatchKernels:
                 y[s : s + n] = self.k.conv_into(x[s : s + n], w, tails[b], torch.tensor(n, device=x.device))
         return y
 
-    def delta(self, q, k, v, g, beta, S, cu, lmax, lens, snap=None):
-        """snap: (slots [N, Hv, Dk, Dv], Snaps) to keep states inside the sequences too, or None."""
+    def delta(self, q, k, v, g, beta, S, cu, lmax, lens, snap=None, src=None):
+        """snap: (slots [N, Hv, Dk, Dv], Snaps) to keep states inside the sequences too, or None. src: (soff [Bb],
+        keep [Bb]) for the Triton kernel (each sequence's state read where it lies, see gdn_triton.delta_batch), or
+        None: the states are in S's slots (`BatchRunner.load`)."""
         if self.triton:
+            kw = {**delta_knobs(S.shape[0]), **self.delta_kw}
+            if src is not None:
+                kw.update(src_off=src[0], keep=src[1])
             if snap is None:
-                return self._delta(q, k, v, g, beta, S, cu, lmax)
-            return self._delta(q, k, v, g, beta, S, cu, lmax, snap=snap[0], snap_at=snap[1].at)
+                return self._delta(q, k, v, g, beta, S, cu, lmax, **kw)
+            return self._delta(q, k, v, g, beta, S, cu, lmax, snap=snap[0], snap_at=snap[1].at, **kw)
         if snap is not None and snap[1].host is None:
             raise NotBatched("the eager batched kernels need the host snapshot positions")
         o = torch.zeros_like(v)
@@ -229,10 +240,19 @@ class BatchKernels:
             s += n
 
 
+def delta_knobs(batch: int) -> dict:
+    """The batched delta rule's launch knobs for a forward of `batch` sequences: value blocks of 64 from 16 sequences
+    on (measured on an H200 at the 9B shape, 64-token pieces: 180 against 196 us a layer at 16 sequences in
+    s9_run1's kernel sweep; 16 hits' graph 30.18 against 30.36 ms in s10_run4), else gdn_triton's default of 32 (one
+    sequence: 16.3 us against 25.6 with 64, s3_run3)."""
+    return {"block_v": 64} if batch >= 16 else {}
+
+
 @dataclass
 class _Graph:
-    inp: torch.Tensor  # long [2 Tb + 2 Bb S + 2 Bb + 1 + 2 A Bb (+ 2 Tb)]: ids | pos | slots | nopts | cu | starts |
-    # kv offsets (| routes | seq: specialists) (| snapshot positions | tail rows: graphs that keep snapshots)
+    inp: torch.Tensor  # long [2 Tb + 2 Bb S + 2 Bb + 1 + 2 A Bb + G Bb + Bb (+ 2 Tb)]: ids | pos | slots | nopts | cu |
+    # starts | kv offsets | state offsets | keep (| routes | seq: specialists) (| snapshot positions | tail rows: graphs
+    # that keep snapshots)
     ids: torch.Tensor
     pos: torch.Tensor
     slots: torch.Tensor  # [Bb S] packed token index of each answer slot
@@ -240,6 +260,8 @@ class _Graph:
     cu: torch.Tensor  # [Bb + 1]
     starts: torch.Tensor  # [Bb]
     off: torch.Tensor  # [A, Bb, 2]
+    soff: torch.Tensor  # [G, Bb] element offset of sequence b's GDN state in layer j from slot b (BatchMixer.src)
+    keep: torch.Tensor  # [Bb] 1: its state at the piece's end stays in slot b (Piece.keep_state)
     rtok: torch.Tensor | None = None  # [Tb] specialists: each token's route (padding: 0, the trunk)
     seq: torch.Tensor | None = None  # [Tb] specialists: each token's sequence (padding: Bb, counted nowhere)
     at: torch.Tensor | None = None  # [Bb, SNAPS_PER_PIECE, 2] snapshots (forwards that keep them): Snaps.at
@@ -281,8 +303,10 @@ class BatchRunner:
         self.max_snaps = 0 if specialists is not None else max_snaps
         self.st = BatchState(model.cfg, self.max_batch, self.max_tokens, self.device, model.dtype,
                              features=specialists is not None, snaps=self.max_snaps)
-        self.n_attn = len(model.cfg.full_layers)
+        self.n_attn, self.n_gdn = len(model.cfg.full_layers), len(model.cfg.linear_layers)
         self.tail_rows = model.cfg.linear_conv_kernel_dim - 1  # the inputs a conv tail holds
+        self._gdn_layers = np.arange(self.n_gdn, dtype=np.int64)[:, None]  # _pack's per-layer steps
+        self._attn_layers = np.arange(self.n_attn, dtype=np.int64)[:, None, None]
         self.graphs: dict[tuple[int, int, bool], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
@@ -322,18 +346,20 @@ class BatchRunner:
         """The parts of a forward's input buffer (see _Graph.inp)."""
         S, A = self.max_slots, self.n_attn
         kept = [Bb * SNAPS_PER_PIECE * 2, self.max_snaps * self.tail_rows] if snaps else []
-        return [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb] + ([Tb, Tb] if self.spec else []) + kept
+        return [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb, self.n_gdn * Bb, Bb] + ([Tb, Tb] if self.spec else []) + kept
 
     def _views(self, inp: torch.Tensor, Bb: int, Tb: int, snaps: bool) -> _Graph:
-        ids, pos, slots, nopts, cu, starts, off, *rest = torch.split(inp, self._sizes(Bb, Tb, snaps))
+        ids, pos, slots, nopts, cu, starts, off, soff, keep, *rest = torch.split(inp, self._sizes(Bb, Tb, snaps))
         routed = rest[:2] if self.spec else [None, None]
         at, rows = (rest[-2].view(Bb, SNAPS_PER_PIECE, 2), rest[-1]) if snaps else (None, None)
-        return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(self.n_attn, Bb, 2), *routed, at, rows)
+        return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(self.n_attn, Bb, 2), soff.view(self.n_gdn, Bb),
+                      keep, *routed, at, rows)
 
     def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens, snap_host=None) -> torch.Tensor:
         kv = BatchKV(kv_tensors, g.off, self.st.K, self.st.V)
         snaps = None if g.at is None else Snaps(g.at, g.rows, snap_host)
-        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens, snaps)
+        src = (g.soff, g.keep) if self.bk.triton else None  # eager kernels: the states were copied into the slots
+        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens, snaps, src)
         lora = None if self.spec is None else TokenRoutes(self.spec.lora, self.spec.router, g.rtok)
         h = self.model.body(g.ids, g.pos, mix, lora)  # [Tb, H]
         if lora is not None:  # each sequence's feature sum over its tokens (padding goes to row Bb, dropped)
@@ -341,48 +367,88 @@ class BatchRunner:
             self.st.F[:Bb].copy_(sums.index_add_(0, g.seq, lora.f)[:Bb])
         return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [Bb S, n_letters]
 
-    def _pack(self, pieces: list[Piece], Bb: int, Tb: int, snaps: bool) -> tuple[torch.Tensor, list | None]:
-        """The host input buffer of these pieces (see _Graph.inp), filled through numpy (a few us a piece), and the
-        snapshots' host positions (Snaps.host; None when this shape keeps none)."""
-        S, A = self.max_slots, self.n_attn
+    def _pack(self, pieces: list[Piece], Bb: int, Tb: int, snaps: bool, buf: np.ndarray | None = None
+              ) -> tuple[np.ndarray, list | None]:
+        """The host input buffer of these pieces (see _Graph.inp) and the snapshots' host positions (Snaps.host; None
+        when this shape keeps none). One Python pass gathers each piece's numbers into lists, then a fixed number of
+        numpy operations fill the buffer (per-piece numpy calls cost ~1 us each). buf: the buffer to fill (a graph's
+        staging copy; zeroed first), else a new one."""
+        S, A, G, B = self.max_slots, self.n_attn, self.n_gdn, len(pieces)
         sizes = self._sizes(Bb, Tb, snaps)
-        buf = np.zeros(sum(sizes), dtype=np.int64)
+        if buf is None:
+            buf = np.zeros(sum(sizes), dtype=np.int64)
+        else:
+            buf.fill(0)
         o_pos, o_slots = Tb, 2 * Tb
         o_nopts = o_slots + Bb * S
         o_cu = o_nopts + Bb * S
         o_st = o_cu + Bb + 1
         o_off = o_st + Bb
-        off = buf[o_off : o_off + 2 * A * Bb].reshape(A, Bb, 2)
-        o_rt = o_off + 2 * A * Bb  # specialists: routes, then sequence indices
-        if self.spec is not None:
-            buf[o_rt + Tb : o_rt + 2 * Tb] = Bb
-        buf[o_nopts:o_cu] = 2
-        es = self.st.K.element_size()
-        k0, v0 = self.st.K.data_ptr(), self.st.V.data_ptr()
-        lk, lv = self.st.K.stride(0) * es, self.st.V.stride(0) * es  # bytes between layers of the chunk buffers
-        layers = np.arange(A, dtype=np.int64)
+        o_soff = o_off + 2 * A * Bb
+        o_keep = o_soff + G * Bb
+        o_rt = o_keep + Bb  # specialists: routes, then sequence indices
+        st = self.st
+        es, fs = st.K.element_size(), st.S.element_size()
+        S0, ls, bs = st.S.data_ptr(), st.S.stride(0) * fs, st.S.stride(1) * fs  # bytes between layers, between slots
+        K0, V0, lk, lv = st.K.data_ptr(), st.V.data_ptr(), st.K.stride(0) * es, st.V.stride(0) * es
+        starts, lens, cu, keep, chunks = [], [], [], [], []
+        slot_at, slot_x, slot_k = [], [], []  # answer slots: buffer index (b S + j), packed token index, options
+        s_base, s_step = [], []  # bytes: GDN state of layer 0 from slot b of layer 0, and per layer further
+        kv_b, kv_base, kv_step = [], [], []  # pieces with cached K/V: K's and V's bytes from the chunk buffers'
         t = 0
         for b, pc in enumerate(pieces):
-            n = pc.e - pc.s
-            buf[t : t + n] = pc.ids[pc.s : pc.e]
-            buf[o_pos + t : o_pos + t + n] = np.arange(pc.s, pc.e)
+            s, e = pc.s, pc.e
+            starts.append(s)
+            lens.append(e - s)
+            chunks.append(pc.ids[s:e])
             for j, (x, k) in enumerate(zip(pc.slots, pc.nopts)):
-                buf[o_slots + b * S + j], buf[o_nopts + b * S + j] = t + x - pc.s, k
-            buf[o_st + b] = pc.s
-            if self.spec is not None:
-                buf[o_rt + t : o_rt + t + n] = pc.route
-                buf[o_rt + Tb + t : o_rt + Tb + t + n] = b
-            if pc.s:  # the group's layer a relative to the chunk buffer's layer a (same dtype, any address)
-                gk, gv = pc.K.stride(0) * es, pc.V.stride(0) * es
-                off[:, b, 0] = (pc.K.data_ptr() - k0 + layers * (gk - lk)) // es
-                off[:, b, 1] = (pc.V.data_ptr() - v0 + layers * (gv - lv)) // es
-            t += n
-            buf[o_cu + b + 1] = t
-        buf[o_cu + len(pieces) + 1 : o_st] = t
+                slot_at.append(b * S + j)
+                slot_x.append(t + x - s)
+                slot_k.append(k)
+            S_ = pc.S
+            s_base.append(S_.data_ptr() - S0 - b * bs)
+            s_step.append(S_.stride(0) * fs - ls)
+            keep.append(1 if pc.keep_state else 0)
+            if s:
+                kv_b.append(b)
+                kv_base.append((pc.K.data_ptr() - K0, pc.V.data_ptr() - V0))
+                kv_step.append((pc.K.stride(0) * es - lk, pc.V.stride(0) * es - lv))
+            t += e - s
+            cu.append(t)
+        buf[:t] = np.concatenate(chunks) if B > 1 else chunks[0]
+        if B > 1:  # rotary positions s + i of each piece
+            buf[o_pos : o_pos + t] = np.arange(t) + np.repeat([s - c + n for s, c, n in zip(starts, cu, lens)], lens)
+        else:
+            buf[o_pos : o_pos + t] = np.arange(starts[0], starts[0] + t)
+        if slot_at:
+            buf[o_slots:o_nopts][slot_at] = slot_x
+        buf[o_nopts:o_cu] = 2
+        if slot_at:
+            buf[o_nopts:o_cu][slot_at] = slot_k
+        buf[o_cu + 1 : o_cu + B + 1] = cu
+        buf[o_cu + B + 1 : o_st] = t
+        buf[o_st : o_st + B] = starts
+        buf[o_keep : o_keep + B] = keep
+        if self.spec is not None:
+            buf[o_rt : o_rt + t] = np.repeat([pc.route for pc in pieces], lens)
+            buf[o_rt + Tb : o_rt + Tb + t] = np.repeat(np.arange(B), lens)
+            buf[o_rt + Tb + t : o_rt + 2 * Tb] = Bb
+        # each GDN state of layer j relative to slot b of layer j (the Triton delta kernel reads it there)
+        soff = buf[o_soff:o_keep].reshape(G, Bb)
+        soff[:, :B] = (np.array(s_base) + self._gdn_layers * np.array(s_step)) // fs
+        off = buf[o_off:o_soff].reshape(A, Bb, 2)
+        if kv_b:  # each group's layer a relative to the chunk buffer's layer a (same dtype, any address)
+            rel = (np.array(kv_base) + self._attn_layers * np.array(kv_step)) // es  # [A, cached, 2]
+            if len(kv_b) == B:
+                off[:, :B] = rel
+            else:
+                off[:, kv_b] = rel
         if (off % 16).any():  # the span kernel loads cached keys as 16-element vectors (span_triton.attend_batch)
             raise NotBatched("a group's K/V is not aligned to 16 elements")
+        if (soff % 16).any():  # so does the delta kernel a state (gdn_triton.delta_batch)
+            raise NotBatched("a piece's GDN states are not aligned to 16 elements")
         host = self._pack_snaps(pieces, buf, sizes, Bb) if snaps else None
-        return torch.from_numpy(buf), host
+        return buf, host
 
     def _pack_snaps(self, pieces: list[Piece], buf, sizes: list[int], Bb: int) -> list:
         """Each piece's snapshots into the buffer's last two parts (Snaps.at, Snaps.rows), slots in order."""
@@ -434,48 +500,66 @@ class BatchRunner:
         return key
 
     def load(self, pieces: list[Piece]) -> None:
-        """Gather each piece's conv tails and GDN states into batch slot b (call after `ensure`: capture overwrites)."""
-        for b, pc in enumerate(pieces):
-            self.st.conv[:, b].copy_(pc.conv)
-            self.st.S[:, b].copy_(pc.S)
+        """Gather each piece's conv tails into batch slot b (call after `ensure`: capture overwrites), and with the
+        eager kernels its GDN states too (the Triton delta kernel reads them where they lie: `_pack`'s offsets)."""
+        if len(pieces) == 1:
+            self.st.conv[:, 0].copy_(pieces[0].conv)
+        else:  # one gather, then one copy into the slots (two kernels on the GPU), not a copy per piece
+            self.st.conv[:, : len(pieces)].copy_(torch.stack([pc.conv for pc in pieces], 1))
+        if not self.bk.triton:
+            for b, pc in enumerate(pieces):
+                self.st.S[:, b].copy_(pc.S)
 
     def forward(self, pieces: list[Piece]) -> torch.Tensor:
         """One packed forward of `pieces` from the states `load` put in their slots -> probabilities
         [len(pieces), max_slots, n_letters] on the device (rows past a piece's slots are padding)."""
         if not pieces:
             raise ValueError("no pieces")
+        S_shape, S_dtype = self.st.S.shape[:1] + self.st.S.shape[2:], self.st.S.dtype
+        S_inner = self.st.S.stride()[2:]  # a contiguous layer's strides (the slots' own)
+        lens = []
         for pc in pieces:
-            if not 0 < pc.e - pc.s <= self.max_piece or len(pc.slots) > self.max_slots:
+            n = pc.e - pc.s
+            if not 0 < n <= self.max_piece or len(pc.slots) > self.max_slots:
                 raise NotBatched(f"piece [{pc.s}, {pc.e}) with {len(pc.slots)} slots does not fit a batch")
             if pc.s and not (pc.K.is_contiguous() and pc.V.is_contiguous() and pc.K.shape[1] >= pc.s):
                 raise NotBatched("a piece's K/V must be contiguous and hold [0, s)")
-        B, T, L = len(pieces), sum(pc.e - pc.s for pc in pieces), max(pc.e - pc.s for pc in pieces)
+            if pc.S.shape != S_shape or pc.S.dtype != S_dtype or not (pc.S.stride()[1:] == S_inner
+                                                                       or pc.S[0].is_contiguous()):
+                raise NotBatched("a piece's GDN states must be float32 [G, Hv, Dk, Dv], each layer's contiguous")
+            lens.append(n)
+        B, T, L = len(pieces), sum(lens), max(lens)
         key = self.ensure(B, T, any(pc.snaps for pc in pieces))
         Bb, Tb, snaps = key
-        inp, snap_host = self._pack(pieces, Bb, Tb, snaps)
-        self.stats["forwards"] += 1
-        self.stats["sequences"] += B
         if not self.use_graphs:
-            g = self._views(inp.to(self.device), Bb, Tb, snaps)
+            inp, snap_host = self._pack(pieces, Bb, Tb, snaps)
+            self._count(B)
+            g = self._views(torch.from_numpy(inp).to(self.device), Bb, Tb, snaps)
             with torch.no_grad():
-                out = self._forward(g, Bb, Tb, L, [(pc.K, pc.V) for pc in pieces], [pc.e - pc.s for pc in pieces]
-                                    + [0] * (Bb - B), snap_host)
-        else:
+                out = self._forward(g, Bb, Tb, L, [(pc.K, pc.V) for pc in pieces], lens + [0] * (Bb - B), snap_host)
+        else:  # packed straight into the graph's staging copy
             g = self.graphs[key]
-            self._send(g, inp)
+            self._send(g, lambda buf: self._pack(pieces, Bb, Tb, snaps, buf))
+            self._count(B)
             g.graph.replay()
             out = g.out
         return out.view(Bb, self.max_slots, -1)[:B]
 
+    def _count(self, B: int) -> None:
+        self.stats["forwards"] += 1
+        self.stats["sequences"] += B
+
     @staticmethod
-    def _send(g: _Graph, inp: torch.Tensor) -> None:
-        """inp into the graph's device input buffer through its pinned staging copy (one asynchronous copy)."""
+    def _send(g: _Graph, fill) -> None:
+        """The graph's device input buffer filled through its pinned staging copy: fill(the staging copy's numpy
+        view) once its previous copy has left, then one asynchronous copy."""
         st = g.staging
         if st.sent is None:  # a CPU stand-in graph (tests)
-            st.dev.copy_(inp)
+            fill(st.np)
+            st.dev.copy_(st.host)
             return
         st.sent.synchronize()
-        st.host.copy_(inp)
+        fill(st.np)
         st.dev.copy_(st.host, non_blocking=True)
         st.sent.record()
 
@@ -544,6 +628,7 @@ class _Row:
     route: int = 0  # specialists: the route it runs with (its checkpoint's)
     fsum: torch.Tensor | None = None  # specialists: the router's feature sum over [0, next piece's start)
     inside: tuple = ()  # one piece [c0, n) that plants: the checkpoint positions it snapshots inside (Piece.snaps)
+    answer: object = None  # its Answer but the probabilities, made beside the GPU's last forward (`_answer`)
 
 
 def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner", found=None) -> _Row | None:
@@ -578,7 +663,7 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner
         todo.append((p, n, QUESTION))
     conv, S = best.payload[:2]
     K, V = best.group.payload[:2]
-    r = _Row(i, ids, list(slots), list(nopts), p, best, todo, conv, S, K, V, inside=inside)
+    r = _Row(i, ids, tuple(slots), tuple(nopts), p, best, todo, conv, S, K, V, inside=inside)
     if cache.runner.spec is not None:  # it runs with its checkpoint's route (StateCache.guess), from its feature sum
         r.route, r.fsum = best.route, best.payload[2].clone()
     if ends:  # it plants: its own K/V of [0, p), starting from the restored prefix
@@ -590,26 +675,41 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner
     return r
 
 
-def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
-    """One forward of the rows' next pieces (halved on failure); returns the rows that failed."""
-    pieces = []
+def _answer(r: _Row, route: int | None):
+    """Row r's Answer but its probabilities (r.probs, once read), for a run that went through."""
+    from .cache import Answer
+
+    c0, n = r.best.pos, len(r.ids)
+    return Answer(None, "hit" if c0 == r.p else "partial", c0, n - c0, route)
+
+
+def _step(runner: BatchRunner, rows: list[_Row], log, beside=None) -> list[_Row]:
+    """One forward of the rows' next pieces (halved on failure); returns the rows that failed. beside(rows): host
+    work to do while the GPU runs a forward that answers questions, before the host waits for it (it must leave no
+    trace outside the rows: the forward may still fail)."""
+    pieces, asks = [], False
     for r in rows:
         s, e, kind = r.todo[0]
-        ask = kind == QUESTION
-        pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None,
-                            tuple(r.slots) if ask else (), tuple(r.nopts) if ask else (), r.route,
-                            r.inside if ask else ()))
+        if kind == QUESTION:
+            asks = True
+            pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None, r.slots, r.nopts,
+                                r.route, r.inside, keep_state=False))  # a question's end state is never read
+        else:
+            pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None, route=r.route))
     try:
         runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), any(pc.snaps for pc in pieces))
         runner.load(pieces)
         out = runner.forward(pieces)
-        probs = runner.read(out) if any(r.todo[0][2] == QUESTION for r in rows) else None  # waits for the GPU
+        if asks and beside is not None:
+            beside(rows)
+        # waits for the GPU; numpy's views of the answers are slices (a torch slice costs ~1 us)
+        probs = runner.read(out).numpy() if asks else None
     except Exception as ex:  # noqa: BLE001 - isolate the failing row by halving
         if len(rows) == 1:
             log.warning("batched row failed: %s: %s", type(ex).__name__, str(ex)[:200])
             return rows
         h = len(rows) // 2
-        return _step(runner, rows[:h], log) + _step(runner, rows[h:], log)
+        return _step(runner, rows[:h], log, beside) + _step(runner, rows[h:], log, beside)
     for b, r in enumerate(rows):  # the forward went through: snapshots, chunk K/V and answers
         s, e, kind = r.todo.pop(0)
         if r.fsum is not None:
@@ -640,8 +740,6 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
     route; its answer counts both runs' tokens), unless this call comes from inside a row's `between` hook (the chunk
     runner's buffers hold that row): then it comes back as None, for the caller to run later. found: per row None or
     (checkpoint, index version) of the caller's lookup of it (`_plan`)."""
-    from .cache import Answer
-
     if (runner.spec is None) != (cache.runner.spec is None):
         raise ValueError("the batch runner and the cache's chunk runner must share their specialists (or both have none)")
     out: list = [None] * len(rows)
@@ -655,6 +753,14 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
         if r is not None:
             live.append(r)
     done: list[_Row] = []
+
+    def beside(step_rows: list[_Row]) -> None:  # while the GPU runs: the answers of rows it finishes (trunk: their
+        for r in step_rows:  # routes are known), kept on the rows until it went through
+            if len(r.todo) == 1:
+                r.answer = _answer(r, None)
+
+    if runner.spec is not None:  # the router decides a row's route (and whether it is answered) after the forward
+        beside = None
     while live:
         groups, cur, tokens, snaps = [], [], 0, 0
         for r in live:
@@ -669,7 +775,7 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
         groups.append(cur)
         failed = set()
         for grp in groups:
-            failed.update(_step(runner, grp, log))
+            failed.update(_step(runner, grp, log, beside))
         done += [r for r in live if r not in failed and not r.todo]
         live = [r for r in live if r not in failed and r.todo]
     spec, again = runner.spec, []
@@ -678,25 +784,33 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
         F = torch.stack([r.fsum for r in done])
         n_tok = torch.tensor([float(len(r.ids)) for r in done], device=F.device)
         routes = spec.router.logits(F / n_tok[:, None]).argmax(-1).tolist()
-    for r, route in zip(done, routes):
-        c0, n = r.best.pos, len(r.ids)
-        if route is not None and route != r.route:  # a misprediction: nothing of this run is kept
-            cache.stats["mispredict"] += 1
-            again.append((r, route, n - c0))
-            continue
-        path = "hit" if c0 == r.p else "partial"
-        st = cache.stats
-        st["rows"] += 1
-        st["batched"] = st.get("batched", 0) + 1
-        st["hits" if path == "hit" else path] += 1
-        st["tokens_reused"] += c0
-        st["tokens_computed"] += n - c0
-        cache.index.touch(r.best)
-        if r.snaps:  # a group of its own, its K/V those the batch wrote
-            cache._plant(r.ids, r.p, r.snaps, r.route, (r.newK, r.newV))
-        if route is not None:
-            cache.last_route = route
-        out[r.i] = Answer(r.probs, path, c0, n - c0, route)
+    st, index = cache.stats, cache.index
+    kept = hits = reused = computed = 0  # the answered rows' counts, added to the stats once (also on an error)
+    try:
+        for r, route in zip(done, routes):
+            c0, n = r.best.pos, len(r.ids)
+            if route is not None and route != r.route:  # a misprediction: nothing of this run is kept
+                st["mispredict"] += 1
+                again.append((r, route, n - c0))
+                continue
+            ans = r.answer if r.answer is not None else _answer(r, route)
+            ans.probs = r.probs
+            hit = c0 == r.p
+            kept, hits, reused, computed = kept + 1, hits + hit, reused + c0, computed + n - c0
+            index.touch(r.best)
+            if r.snaps:  # a group of its own, its K/V those the batch wrote
+                cache._plant(r.ids, r.p, r.snaps, r.route, (r.newK, r.newV))
+            if route is not None:
+                cache.last_route = route
+            out[r.i] = ans
+    finally:
+        if kept:
+            st["rows"] += kept
+            st["batched"] = st.get("batched", 0) + kept
+            st["hits"] += hits
+            st["partial"] += kept - hits
+            st["tokens_reused"] += reused
+            st["tokens_computed"] += computed
     cache.stats["evicted"] += len(cache.index.evict())
     if again and not cache.in_row:
         between, cache.between = cache.between, None  # its chunks call nobody back

@@ -42,7 +42,9 @@ Design:
 `delta_batch` runs the same kernel over the packed sequences of a batch (statecache.batch): a third grid axis over
 the sequences, each with its own tokens (cu_seqlens, on the device) and its own state; a program runs its
 sequence's chunks one after another (its slice of the state is its own throughout), and may also keep the state
-at chunk ends inside the sequence (snapshots).
+at chunk ends inside the sequence (snapshots). A sequence's first chunk may read its state from anywhere (an
+element offset from its slot: a checkpoint's own tensor, never copied) and its last chunk may leave the final
+state unwritten (a question's, which nobody reads).
 
 What it does not know: several chunks of one sequence in one `delta_chunk` call (chain calls for more),
 initial-state-free starts (pass zeros), backward passes, gates > 0 (exp would overflow, as in the reference).
@@ -74,19 +76,31 @@ def _delta_chunk_kernel(
     L,
     sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
     sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d,
-    scale, cu_ptr, ss_b, snap_ptr, at_ptr, ss_n,
+    scale, cu_ptr, ss_b, snap_ptr, at_ptr, ss_n, soff_ptr, keep_ptr,
     GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
     BV: tl.constexpr, DOT: tl.constexpr, RAW_QK: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
-    NSNAP: tl.constexpr,
+    NSNAP: tl.constexpr, SRC: tl.constexpr,
 ):
     if VARLEN:  # sequence b of a packed batch: its tokens [cu[b], cu[b + 1]) in chunks of BT, its own state
         b = tl.program_id(2)
         bos = tl.load(cu_ptr + b)
         n = tl.load(cu_ptr + b + 1) - bos  # 0 for an empty sequence (a graph's padding): nothing to do
         s_ptr += b * ss_b
+        if SRC:  # the state to continue lies elsewhere (a checkpoint's own tensor): its element offset from slot b
+            soff = tl.load(soff_ptr + b)
+            keep = tl.load(keep_ptr + b)  # 1: the final state goes to slot b too (0: only the states before it)
+        else:
+            soff = 0
+            keep = 1
         for piece in range(0, n, BT):  # the chunks in order; this program owns its slice of the state throughout
             Lc = tl.minimum(n - piece, BT)
             t0 = bos + piece
+            if SRC:
+                src = tl.multiple_of(tl.where(piece == 0, soff, 0), 16)  # the first chunk reads the source, later slot b
+                write = ((keep != 0) | (piece + BT < n)).to(tl.int32)
+            else:
+                src = 0
+                write = 1
             # snapshots (NSNAP > 0): the state after the sequence's first at[b, m, 0] tokens also goes to slot
             # at[b, m, 1] of snap; a full chunk ending there writes it
             at_b = at_ptr + b * 2 * NSNAP
@@ -96,14 +110,14 @@ def _delta_chunk_kernel(
             _delta_chunk(q_ptr + t0 * sq_t, k_ptr + t0 * sk_t, v_ptr + t0 * sv_t, g_ptr + t0 * sg_t, b_ptr + t0 * sb_t,
                          s_ptr, o_ptr + t0 * so_t, Lc, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
                          sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale,
-                         snap0, hit0, snap1, hit1, snap2, hit2,
-                         GROUP, DK, BK, BT, LOG_BT, BV, DOT, RAW_QK, STORE, NSNAP)
+                         snap0, hit0, snap1, hit1, snap2, hit2, src, write,
+                         GROUP, DK, BK, BT, LOG_BT, BV, DOT, RAW_QK, STORE, NSNAP, SRC)
             tl.debug_barrier()  # this chunk's state writes before the next chunk's reads (other threads)
     else:
         no = L < 0
         _delta_chunk(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, L, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d,
                      sv_t, sv_h, sv_d, sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale,
-                     s_ptr, no, s_ptr, no, s_ptr, no, GROUP, DK, BK, BT, LOG_BT, BV, DOT, RAW_QK, STORE, 0)
+                     s_ptr, no, s_ptr, no, s_ptr, no, 0, 1, GROUP, DK, BK, BT, LOG_BT, BV, DOT, RAW_QK, STORE, 0, False)
 
 
 @triton.jit
@@ -124,12 +138,14 @@ def _delta_chunk(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, L,
     sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
     sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale,
-    snap0, hit0, snap1, hit1, snap2, hit2,
+    snap0, hit0, snap1, hit1, snap2, hit2, src, write,
     GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
     BV: tl.constexpr, DOT: tl.constexpr, RAW_QK: tl.constexpr, STORE: tl.constexpr, NSNAP: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """One chunk of L <= BT tokens at q_ptr... continuing the state at s_ptr (see the module docstring); with
-    NSNAP, the new state also goes to snapm where hitm."""
+    """One chunk of L <= BT tokens at q_ptr... continuing the state at s_ptr + src (elements), the new state written
+    to s_ptr (with MASKED only where `write`, else always; see the module docstring); with NSNAP, the new state also
+    goes to snapm where hitm."""
     h = tl.program_id(0)  # value head
     hk = h // GROUP  # its key head
     t = tl.arange(0, BT)  # [T] token rows
@@ -138,7 +154,8 @@ def _delta_chunk(
     real = t < L  # [T]
     q_ptrs = q_ptr + t[:, None] * sq_t + hk * sq_h + ck[None, :] * sq_d  # [T, BK], first slice
     k_ptrs = k_ptr + t[:, None] * sk_t + hk * sk_h + ck[None, :] * sk_d  # [T, BK]
-    s_ptrs = s_ptr + h * ss_h + ck[:, None] * ss_k + dv[None, :] * ss_v  # [BK, BV]
+    s_ptrs = s_ptr + h * ss_h + ck[:, None] * ss_k + dv[None, :] * ss_v  # [BK, BV] where the new state goes
+    s_in = s_ptrs + src  # [BK, BV] the state continued from
 
     # gate and beta: masked rows load as 0, so they neither decay nor write
     g = tl.load(g_ptr + t * sg_t + h * sg_h, mask=real, other=0.0).to(tl.float32)  # [T]
@@ -160,7 +177,7 @@ def _delta_chunk(
             KK = tl.dot(kc, tl.trans(kc), KK)  # [T, T]
         else:
             KK = tl.dot(kf, tl.trans(kf), KK, input_precision=DOT)  # [T, T]
-        kS = tl.dot(kf, tl.load(s_ptrs + c * BK * ss_k), kS, input_precision=DOT)  # [T, BV]
+        kS = tl.dot(kf, tl.load(s_in + c * BK * ss_k), kS, input_precision=DOT)  # [T, BV]
     k_rs = tl.rsqrt(k_ss + 1e-6)  # [T]
     strict = t[:, None] > t[None, :]  # [T, T] j < i
     dec = tl.exp2(tl.where(strict, cg[:, None] - cg[None, :], float("-inf")))  # [T, T] decay j -> i, 0 on and above the diagonal
@@ -187,7 +204,7 @@ def _delta_chunk(
     for c in range(DK // BK):
         qc = tl.load(q_ptrs + c * BK * sq_d, mask=real[:, None], other=0.0)  # [T, BK] q's dtype
         kc = tl.load(k_ptrs + c * BK * sk_d, mask=real[:, None], other=0.0)  # [T, BK]
-        S = tl.load(s_ptrs + c * BK * ss_k)  # [BK, BV] float32
+        S = tl.load(s_in + c * BK * ss_k)  # [BK, BV] float32
         qf = qc.to(tl.float32)  # [T, BK]
         q_ss += tl.sum(qf * qf, 1)
         kf = kc.to(tl.float32)  # [T, BK]
@@ -199,7 +216,10 @@ def _delta_chunk(
         if STORE:
             kw = kf * kw_scale[:, None]  # [T, BK]
             S = S * tl.exp2(g_last) + tl.dot(tl.trans(kw), u, input_precision=DOT)  # [BK, BV]
-            tl.store(s_ptrs + c * BK * ss_k, S)
+            if MASKED:  # a runtime choice as a mask, not a branch (a store under `if` broke the loop's pipelining)
+                tl.store(s_ptrs + c * BK * ss_k, S, mask=(tl.zeros([BK, BV], dtype=tl.int32) + write) != 0)
+            else:
+                tl.store(s_ptrs + c * BK * ss_k, S)
             if NSNAP > 0:
                 sn = h * ss_h + (c * BK + ck)[:, None] * ss_k + dv[None, :] * ss_v  # [BK, BV] within a slot
                 if hit0:
@@ -240,9 +260,9 @@ def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     _delta_chunk_kernel[(Hv, Dv // BV)](
         q, k, v, g, beta, S, o, L,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride(), *o.stride(),
-        Dk**-0.5, S, 0, S, S, 0,
+        Dk**-0.5, S, 0, S, S, 0, S, S,
         GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BV=BV, DOT=dot_precision,
-        RAW_QK=q.is_cuda and q.element_size() == 2, STORE=store_state, VARLEN=False, NSNAP=0,
+        RAW_QK=q.is_cuda and q.element_size() == 2, STORE=store_state, VARLEN=False, NSNAP=0, SRC=False,
         num_warps=num_warps,
     )
     return o
@@ -250,15 +270,20 @@ def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 S: torch.Tensor, cu: torch.Tensor, lmax: int, *, snap: torch.Tensor | None = None,
-                snap_at: torch.Tensor | None = None, block_v: int = 32, block_k: int = 64,
+                snap_at: torch.Tensor | None = None, src_off: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None, block_v: int = 32, block_k: int = 64,
                 num_warps: int = 4, dot_precision: str = "tf32") -> torch.Tensor:
     """delta_chunk for B packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequence b: tokens
     [cu[b], cu[b + 1]), at most lmax of them, all real), S [B, Hv, Dk, Dv] float32 (sequence b's state, updated in
     place), cu [B + 1] long on the device -> o [T, Hv, Dv] (zero for tokens of no sequence). A grid axis runs over
     the sequences; a program runs its sequence's MAX_TOKENS-token chunks in order, in one launch. Snapshots: with snap [N, Hv, Dk, Dv] float32 and snap_at [B, M, 2] long
     (M <= 3; sequence b's state after its first snap_at[b, m, 0] tokens, a multiple of MAX_TOKENS, is also written
-    to snap[snap_at[b, m, 1]]; an offset no chunk ends at, e.g. 0, writes nothing). Graph-safe: nothing per
-    sequence is read on the host."""
+    to snap[snap_at[b, m, 1]]; an offset no chunk ends at, e.g. 0, writes nothing). Sources: with src_off [B] long
+    (device), sequence b continues from the state at element offset src_off[b] from S[b] (a checkpoint's own tensor
+    with S[b]'s strides, anywhere in memory: nothing is copied into the slot first; every offset a multiple of 16),
+    and keep [B] long says whether its final state is written to S[b] (0: only the states between its chunks, for a
+    sequence whose end state nobody reads, e.g. a question's). Graph-safe: nothing per sequence is read on the
+    host."""
     T, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     B = S.shape[0]
@@ -274,14 +299,16 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         nsnap = snap_at.shape[1]
         assert snap.dtype == torch.float32 and snap.shape[1:] == S.shape[1:] and snap.stride()[1:] == S.stride()[1:]
         assert snap_at.shape == (B, nsnap, 2) and 1 <= nsnap <= 3 and snap_at.is_contiguous()
+    if src_off is not None:
+        assert src_off.shape == (B,) and keep is not None and keep.shape == (B,), "src_off and keep: [B] each"
     o = torch.zeros((T, Hv, Dv), dtype=v.dtype, device=v.device)
     _delta_chunk_kernel[(Hv, Dv // BV, B)](
         q, k, v, g, beta, S, o, BT,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride()[1:], *o.stride(),
         Dk**-0.5, cu, S.stride(0), S if snap is None else snap, cu if snap_at is None else snap_at,
-        0 if snap is None else snap.stride(0),
+        0 if snap is None else snap.stride(0), cu if src_off is None else src_off, cu if keep is None else keep,
         GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BV=BV, DOT=dot_precision,
-        RAW_QK=q.is_cuda and q.element_size() == 2, STORE=True, VARLEN=True, NSNAP=nsnap,
+        RAW_QK=q.is_cuda and q.element_size() == 2, STORE=True, VARLEN=True, NSNAP=nsnap, SRC=src_off is not None,
         num_warps=num_warps,
     )
     return o

@@ -195,6 +195,39 @@ def test_a_bad_row_fails_alone():
     check(cache, [r for k, r in enumerate(rows) if k != 2], [a for k, a in enumerate(ans) if k != 2])
 
 
+def test_a_forward_failing_at_the_wait_counts_nothing(monkeypatch):
+    """A forward that fails only when the host waits for it (an asynchronous GPU error, after the answers' bookkeeping
+    was prepared beside it): its rows are halved down as for any failure, and the failing row is neither counted nor
+    touched as if answered; the others are, once each."""
+    cache = batch_cache()
+    states = [toks(300, 60 + k) for k in range(4)]
+    for k, s in enumerate(states):
+        cache.row(*row(s, 5, k))
+    rows = [row(states[k], 8 + k, 40 + k) for k in range(4)]
+    bad = rows[2][0]
+    bad_ckpt = cache.index.lookup(bad, limit=down(300))
+    used = bad_ckpt.used
+    runner, forward, read = cache.batch, cache.batch.forward, cache.batch.read
+    last: list = []
+    monkeypatch.setattr(runner, "forward", lambda pieces: last.__setitem__(slice(None), pieces) or forward(pieces))
+
+    def failing_read(out):
+        if any(pc.ids is bad for pc in last):
+            raise RuntimeError("an asynchronous error (test)")
+        return read(out)
+
+    monkeypatch.setattr(runner, "read", failing_read)
+    before = dict(cache.stats)
+    ans = cache.rows_batched(rows)
+    assert ans[2] is None and all(a is not None for k, a in enumerate(ans) if k != 2)
+    check(cache, [r for k, r in enumerate(rows) if k != 2], [a for k, a in enumerate(ans) if k != 2])
+    assert cache.stats["rows"] - before["rows"] == 3 and cache.stats["hits"] - before["hits"] == 3
+    assert cache.stats["batched"] - before.get("batched", 0) == 3
+    assert cache.stats["tokens_computed"] - before["tokens_computed"] == sum(a.computed for a in ans if a is not None)
+    assert bad_ckpt.used == used  # not touched
+    assert all(cache.index.lookup(r[0], limit=down(300)).used > used for k, r in enumerate(rows) if k != 2)
+
+
 def test_more_rows_than_the_largest_batch():
     cache = batch_cache(max_batch=2)
     states = [toks(280, 90 + k) for k in range(3)]

@@ -114,6 +114,40 @@ def test_delta_batch_snapshots():
 
 
 @pytest.mark.parametrize("lens,pad", LENS)
+def test_delta_batch_sources(lens, pad):
+    """Sequences continuing from states in their own tensors (src_off: nothing copied into the slots first) give what
+    the same states copied into the slots give; keep=0 leaves a slot's final state unwritten (a sequence longer than a
+    chunk still writes the states between its chunks there), keep=1 writes it; snapshots are kept either way."""
+    g = torch.Generator().manual_seed(9)
+    cu, T = _cu(lens, pad)
+    B, Hk, Hv = len(lens), 2, 4
+    Dk, Dv = (64 if CUDA else 16), 32
+    q, k = (torch.randn(T, Hk, Dk, generator=g).to(DEV) for _ in range(2))
+    v = torch.randn(T, Hv, Dv, generator=g).to(DEV)
+    gate = (-torch.rand(T, Hv, generator=g) * 0.5).to(DEV)
+    beta = torch.rand(T, Hv, generator=g).to(DEV)
+    own = [torch.randn(Hv, Dk, Dv, generator=g).to(DEV) for _ in range(B)]  # each sequence's state, anywhere
+    S_copy = torch.stack(own)
+    o_copy = gdn_triton.delta_batch(q, k, v, gate, beta, S_copy, cu, max(lens), dot_precision="ieee")
+    keep = torch.tensor([b % 2 for b in range(B)], dtype=torch.long, device=DEV)
+    S = torch.full((B, Hv, Dk, Dv), 5.0, device=DEV)
+    es = S.element_size()
+    off = torch.tensor([(own[b].data_ptr() - S[b].data_ptr()) // es for b in range(B)], dtype=torch.long, device=DEV)
+    assert (off % 16 == 0).all()
+    before = [x.clone() for x in own]
+    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), src_off=off, keep=keep, dot_precision="ieee")
+    assert (o - o_copy).abs().max().item() < TOL
+    for b, n in enumerate(lens):
+        assert (own[b] - before[b]).abs().max().item() == 0  # the sources are only read
+        if n == 0 or (not keep[b] and n <= 64):
+            assert (S[b] == 5.0).all(), b  # nothing ran, or its one chunk's end state is not wanted
+        elif keep[b]:
+            assert (S[b] - S_copy[b]).abs().max().item() < TOL, b
+        else:  # several chunks, final state not kept: the slot holds the state before its last chunk
+            assert not (S[b] == 5.0).all() and (S[b] - S_copy[b]).abs().max().item() > TOL, b
+
+
+@pytest.mark.parametrize("lens,pad", LENS)
 @pytest.mark.parametrize("kw", [dict(block_m=16, block_n=16, n_splits=1), dict(block_m=16, block_n=16, n_splits=3,
                                                                                min_split_keys=1)])
 def test_attend_batch(lens, pad, kw):

@@ -29,15 +29,15 @@ def _mods():
     return gdn_triton, conv_triton, span_triton
 
 
-def delta_kernel(varlen, nsnap=0):
+def delta_kernel(varlen, nsnap=0, src=False, bv=32, num_warps=4):
     names = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "s_ptr", "o_ptr", "L", "sq_t", "sq_h", "sq_d", "sk_t",
              "sk_h", "sk_d", "sv_t", "sv_h", "sv_d", "sg_t", "sg_h", "sb_t", "sb_h", "ss_h", "ss_k", "ss_v", "so_t",
-             "so_h", "so_d", "scale", "cu_ptr", "ss_b", "snap_ptr", "at_ptr", "ss_n"]
+             "so_h", "so_d", "scale", "cu_ptr", "ss_b", "snap_ptr", "at_ptr", "ss_n", "soff_ptr", "keep_ptr"]
     types = (["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*bf16", "i32"] + ["i32"] * 19
-             + ["fp32", "*i64", "i32", "*fp32", "*i64", "i32"])
-    consts = dict(GROUP=2, DK=128, BK=64, BT=64, LOG_BT=6, BV=32, DOT="tf32", RAW_QK=True, STORE=True, VARLEN=varlen,
-                  NSNAP=nsnap)
-    assert _compile(_mods()[0]._delta_chunk_kernel, names, types, consts).asm["ptx"]
+             + ["fp32", "*i64", "i32", "*fp32", "*i64", "i32", "*i64", "*i64"])
+    consts = dict(GROUP=2, DK=128, BK=64, BT=64, LOG_BT=6, BV=bv, DOT="tf32", RAW_QK=True, STORE=True, VARLEN=varlen,
+                  NSNAP=nsnap, SRC=src)
+    assert _compile(_mods()[0]._delta_chunk_kernel, names, types, consts, num_warps).asm["ptx"]
 
 
 def conv_kernel(varlen):
@@ -72,7 +72,7 @@ def test_kernels_compile_for_sm90():
     if "AOT-API" in r.stdout:
         pytest.skip("this Triton's ahead-of-time compile API differs")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 7, r.stdout
+    assert r.stdout.count("compiled") == 11, r.stdout
 
 
 if __name__ == "__main__":
@@ -84,7 +84,13 @@ if __name__ == "__main__":
         print("AOT-API")
         raise SystemExit(0)
     for name, fn, flag in (("delta", delta_kernel, True), ("delta", delta_kernel, False),
-                           ("delta snapshots", lambda v: delta_kernel(v, nsnap=3), True), ("conv", conv_kernel, True),
+                           ("delta snapshots", lambda v: delta_kernel(v, nsnap=3), True),
+                           ("delta from sources", lambda v: delta_kernel(v, src=True), True),
+                           ("delta from sources, snapshots", lambda v: delta_kernel(v, nsnap=3, src=True), True),
+                           ("delta from sources, 64-wide values", lambda v: delta_kernel(v, src=True, bv=64), True),
+                           ("delta from sources, 128-wide values", lambda v: delta_kernel(v, src=True, bv=128,
+                                                                                          num_warps=8), True),
+                           ("conv", conv_kernel, True),
                            ("conv", conv_kernel, False), ("span", span_batch_kernel, True),
                            ("span", span_batch_kernel, False)):
         fn(flag)
