@@ -110,6 +110,10 @@ def maxdp(a, b) -> float:
 
 def main():
     global OUT
+    if torch.cuda.is_available():  # the compile caches the engine keeps (a carried copy serves these kernels too)
+        from statecache.compile_cache import use_persistent_caches
+
+        use_persistent_caches()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/batch")
     ap.add_argument("--shape", default="9B", help="0.8B, 2B, 9B or tiny")
@@ -120,6 +124,10 @@ def main():
     ap.add_argument("--question", type=int, default=64, help="question tokens per row")
     ap.add_argument("--counts", default="1,4,16,64", help="concurrent hits per case")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--delta-variants", default="", metavar="BV:W,...",
+                    help="after each case, the same rows again with the batched delta rule's value block and warps "
+                         "(e.g. 64:4,128:8), each shape's graph recaptured")
+    ap.add_argument("--no-kernel-sweep", action="store_true", help="skip the per-kernel launch-knob sweep at the end")
     ap.add_argument("--cache-mb", type=int, default=0, help="cache budget (default: enough for every state)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds: start no new case after this")
     ap.add_argument("--no-compile", action="store_true", help="eager elementwise pieces (CUDA compiles by default)")
@@ -191,10 +199,12 @@ def main():
                     R["errors"].append(f"case {n}: " + traceback.format_exc()[-2000:])
                     log(R["errors"][-1])
                 save()
-            if dev.type == "cuda" and time.perf_counter() - T0 < args.budget:
+            if dev.type == "cuda" and time.perf_counter() - T0 < args.budget and not args.no_kernel_sweep:
                 try:
-                    for B in (16, 1):  # the 16-hit case, and a stop's usual single row
-                        variants(cfg, dev, dtype, args.state, B=B)
+                    # the 16-hit case, a stop's usual single row, and score's usual hit (a state's unaligned tail
+                    # and its question: 65-128 tokens, two delta-rule chunks)
+                    for B, L in ((16, 64), (1, 64), (1, 128)):
+                        variants(cfg, dev, dtype, args.state, B=B, L=L)
                 except Exception:  # noqa: BLE001
                     R["errors"].append("variants: " + traceback.format_exc()[-2000:])
                     log(R["errors"][-1])
@@ -287,7 +297,7 @@ def variants(cfg, dev, dtype, state: int, B: int = 16, L: int = 64):
                        device=dev)
     starts = torch.full((B,), state, device=dev)
     for bm, bn, w in ((64, 32, 4), (64, 64, 4), (64, 32, 8), (128, 32, 8), (32, 32, 4), (64, 64, 8)):
-        name = f"{'' if B == 16 else f'b{B}_'}span_m{bm}_n{bn}_w{w}"
+        name = f"{'' if B == 16 else f'b{B}_'}{'' if L == 64 else f'l{L}_'}span_m{bm}_n{bn}_w{w}"
         try:
             out[name] = graph_us([lambda: span_triton.attend_batch(q, k, v, cu, starts, off, L, D**-0.5, block_m=bm,
                                                                    block_n=bn, num_warps=w)])
@@ -301,7 +311,7 @@ def variants(cfg, dev, dtype, state: int, B: int = 16, L: int = 64):
     bd = torch.rand(T, Hv, device=dev, dtype=dtype)
     S = torch.zeros(B, Hv, Dk, Dv, device=dev)
     for bv, w in ((32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (128, 16)):  # 128: one program a head and sequence
-        name = f"{'' if B == 16 else f'b{B}_'}delta_v{bv}_w{w}"
+        name = f"{'' if B == 16 else f'b{B}_'}{'' if L == 64 else f'l{L}_'}delta_v{bv}_w{w}"
         try:
             out[name] = graph_us([lambda: gdn_triton.delta_batch(qd, kd, vd, gd, bd, S, cu, L, block_v=bv, num_warps=w)])
         except Exception as e:  # noqa: BLE001
@@ -349,6 +359,31 @@ def case(cache, states, question, n: int, args, dev):
     log(f"case {n}: batched {res['batched_ms']} ms ({res['batched_per_row_ms']} per row; graph "
         f"{res.get('batched_graph_ms')}), first {res['first_batched_ms']} ms, {res['answered']}/{n} answered, "
         f"max |dp| vs single {res['max_dp']}, speedup {res['speedup']}")
+    save()
+    # the same rows with other launch knobs of the batched delta rule (value block : warps), graphs recaptured
+    for spec in filter(None, args.delta_variants.split(",")):
+        bv, w = (int(x) for x in spec.split(":"))
+        name = f"v{bv}_w{w}"
+        runner.bk.delta_kw = {"block_v": bv, "num_warps": w}
+        runner.graphs.pop(key, None)
+        try:
+            again = cache.rows_batched(rows)  # captures this shape's graph with the knobs
+            ms, again = timed(lambda: cache.rows_batched(rows), dev, args.reps)
+            v = {"batched_ms": ms, "max_dp_vs_single": max((maxdp(a, b) for a, b in zip(single, again)
+                                                            if a is not None and b is not None), default=None),
+                 "answered": sum(b is not None for b in again)}
+            g = runner.graphs.get(key)
+            if g is not None and dev.type == "cuda":
+                from gpu_timing import replay_median_ms
+
+                v["graph_ms"] = round(replay_median_ms(g.graph, 20), 3)
+        except Exception as e:  # noqa: BLE001
+            v = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        res.setdefault("delta_variants", {})[name] = v
+        log(f"case {n}: delta {name}: {v}")
+        save()
+    runner.bk.delta_kw = {}
+    runner.graphs.pop(key, None)
 
 
 if __name__ == "__main__":

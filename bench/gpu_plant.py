@@ -70,11 +70,27 @@ def tdiff(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"max_abs": d, "rel": d / max(b.float().abs().max().item(), 1e-30)}
 
 
-def rows_for(vocab: int, seed: int, n_states: int = 1):
+def paired(fa, fb, reps=9, warm=2):
+    """Median wall milliseconds of fa and of fb, timed alternately (a, b, a, b, ...) so that a drift of the GPU's
+    clocks or of the host falls on both; the GPU synchronised around each call."""
+    for _ in range(warm):
+        fa(), fb()
+    ta, tb = [], []
+    for _ in range(reps):
+        for fn, ts in ((fa, ta), (fb, tb)):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append(1e3 * (time.perf_counter() - t))
+    return round(sorted(ta)[reps // 2], 3), round(sorted(tb)[reps // 2], 3)
+
+
+def rows_for(vocab: int, seed: int, n_states: int = 1, state_len: int = STATE):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n_states):
-        state = torch.randint(0, vocab, (STATE,), generator=g).tolist()
+        state = torch.randint(0, vocab, (state_len,), generator=g).tolist()
         qs = [torch.randint(0, vocab, (QUESTION,), generator=g).tolist() for _ in range(3)]
         out.append((state, qs))
     return out
@@ -101,62 +117,16 @@ def plant(cache: StateCache, pp: PlainPath, rows, state_lens):
     return [probs for probs, _route in outs]
 
 
-def bench(args):
-    from gpu_bench import build_hf  # the 9B shape with random weights, as the main bench builds it
-
-    hf, cfg = build_hf(args.shape)
-    letters = list(range(32, 58))
-    sd = {k: v for k, v in hf.state_dict().items()}
-    del hf
-    gc.collect()
-    m16 = Qwen35(weights_from_state_dict(cfg, sd, letters, "cuda", torch.bfloat16))
-    fk = FlaKernels()
-    if not args.no_compile:  # the product's default on CUDA
-        m16.compile_elementwise()
-        fk.compile_elementwise()
-    R["compiled"] = not args.no_compile
-    (state, qs), = rows_for(cfg.vocab_size, 0)
-    ids = state + qs[0]
-    row = (ids, [len(ids) - 1], [4])
-    settings = CacheSettings(mb=args.cache_mb)
-
-    # plain: one graph (lone row default) and packed eager
-    pg = PlainPath(m16, fk)
-    t = time.perf_counter()
-    p_plain = pg.forward([row])[0]
-    R["plain_graph_capture_s"] = round(time.perf_counter() - t, 1)
-    R["plain_graph_ms"] = timed(lambda: pg.forward([row]))
-    pe = PlainPath(m16, fk, graphs=False)
-    R["plain_packed_ms"] = timed(lambda: pe.forward([row]))
-    log("plain: graph", R["plain_graph_ms"], "ms, packed eager", R["plain_packed_ms"], "ms")
-    save()
-
-    # cold with planting (the packed forward + planting into the cache, as the engine does)
-    runner = ChunkRunner(m16, fk, max_pos=8192, max_slots=4)
-    cache = StateCache(runner, settings)
-
-    def cold_plant():
-        cache.clear()
-        return plant(cache, pe, [row], [STATE])
-
-    p_cold = cold_plant()[0]
-    R["cold_plant_ms"] = timed(cold_plant)
-    R["cold_plant_vs_plain_graph"] = round(R["cold_plant_ms"] / R["plain_graph_ms"], 4)
-    R["cold_plant_vs_plain_packed"] = round(R["cold_plant_ms"] / R["plain_packed_ms"], 4)
-    R["cold_plant_answer_vs_plain"] = maxdiff(p_cold, p_plain)
-    R["target_cold_le_1.05x_plain_graph"] = R["cold_plant_vs_plain_graph"] <= 1.05
-    log("cold with planting", R["cold_plant_ms"], "ms:", R["cold_plant_vs_plain_graph"], "x the plain graph,",
-        R["cold_plant_vs_plain_packed"], "x packed eager; checkpoints", sorted(c.pos for c in cache.index.lru_order()))
-    save()
-
-    # the same row, and a 2.5k-token one, through the planting graph (statecache.plant.PlantGraph: the engine's form
-    # of a lone new state on CUDA), against the plain graph of the same row
+def planting_graphs(args, m16, fk, pg, pe, runner, settings, state, qs, lengths):
+    """Rows of each state length (+ a 64-token question) through the planting graph (statecache.plant.PlantGraph:
+    the engine's form of a lone new state on CUDA), against the plain graph of the same row, timed alternately
+    (target: at most 1.05x); answers, states against the packed planting forward's, a hit from them."""
     try:
         pgp = PlainPath(m16, fk, pool=runner.pool)
         if pgp.planter is None:
             raise RuntimeError("no planting graphs here (no CUDA graphs, or fla's per-chunk states failed their check)")
         R["planting_graph"] = {}
-        for n_state in (STATE, 2432):
+        for n_state in lengths:
             ids_n = state[:n_state] + qs[0]
             row_n = (ids_n, [len(ids_n) - 1], [4])
             t = time.perf_counter()
@@ -173,8 +143,8 @@ def bench(args):
             p_graph = cold_graph()[0]
             ref_n = pg.forward([row_n])[0]
             e = {"tokens": len(ids_n), "capture_s": cap_s, "pieces": len(pgp.planter.graphs[pgp.planter.key(len(ids_n), 1, (4,))].graphs),
-                 "plain_graph_ms": timed(lambda: pg.forward([row_n])), "cold_graph_ms": timed(cold_graph),
                  "answer_vs_plain": maxdiff(p_graph, ref_n)}
+            e["plain_graph_ms"], e["cold_graph_ms"] = paired(lambda: pg.forward([row_n]), cold_graph)
             e["cold_graph_vs_plain_graph"] = round(e["cold_graph_ms"] / e["plain_graph_ms"], 4)
             e["target_le_1.05x"] = e["cold_graph_vs_plain_graph"] <= 1.05
             pk = StateCache(runner, settings)
@@ -198,6 +168,62 @@ def bench(args):
         R.setdefault("errors", []).append("planting graph: " + traceback.format_exc()[-2000:])
         log(traceback.format_exc())
     save()
+
+
+
+def bench(args):
+    from gpu_bench import build_hf  # the 9B shape with random weights, as the main bench builds it
+
+    hf, cfg = build_hf(args.shape)
+    letters = list(range(32, 58))
+    sd = {k: v for k, v in hf.state_dict().items()}
+    del hf
+    gc.collect()
+    m16 = Qwen35(weights_from_state_dict(cfg, sd, letters, "cuda", torch.bfloat16))
+    fk = FlaKernels()
+    if not args.no_compile:  # the product's default on CUDA
+        m16.compile_elementwise()
+        fk.compile_elementwise()
+    R["compiled"] = not args.no_compile
+    lengths = [int(x) for x in args.lengths.split(",")]
+    (state, qs), = rows_for(cfg.vocab_size, 0, state_len=max(lengths + [STATE]))
+    ids = state[:STATE] + qs[0]
+    row = (ids, [len(ids) - 1], [4])
+    settings = CacheSettings(mb=args.cache_mb)
+
+    # plain: one graph (lone row default) and packed eager
+    pg = PlainPath(m16, fk)
+    t = time.perf_counter()
+    p_plain = pg.forward([row])[0]
+    R["plain_graph_capture_s"] = round(time.perf_counter() - t, 1)
+    R["plain_graph_ms"] = timed(lambda: pg.forward([row]))
+    pe = PlainPath(m16, fk, graphs=False)
+    R["plain_packed_ms"] = timed(lambda: pe.forward([row]))
+    log("plain: graph", R["plain_graph_ms"], "ms, packed eager", R["plain_packed_ms"], "ms")
+    save()
+    runner = ChunkRunner(m16, fk, max_pos=8192, max_slots=4)
+    if args.graph_only:
+        planting_graphs(args, m16, fk, pg, pe, runner, settings, state, qs, lengths)
+        return
+
+    # cold with planting (the packed forward + planting into the cache, as the engine does)
+    cache = StateCache(runner, settings)
+
+    def cold_plant():
+        cache.clear()
+        return plant(cache, pe, [row], [STATE])
+
+    p_cold = cold_plant()[0]
+    R["cold_plant_ms"] = timed(cold_plant)
+    R["cold_plant_vs_plain_graph"] = round(R["cold_plant_ms"] / R["plain_graph_ms"], 4)
+    R["cold_plant_vs_plain_packed"] = round(R["cold_plant_ms"] / R["plain_packed_ms"], 4)
+    R["cold_plant_answer_vs_plain"] = maxdiff(p_cold, p_plain)
+    R["target_cold_le_1.05x_plain_graph"] = R["cold_plant_vs_plain_graph"] <= 1.05
+    log("cold with planting", R["cold_plant_ms"], "ms:", R["cold_plant_vs_plain_graph"], "x the plain graph,",
+        R["cold_plant_vs_plain_packed"], "x packed eager; checkpoints", sorted(c.pos for c in cache.index.lru_order()))
+    save()
+
+    planting_graphs(args, m16, fk, pg, pe, runner, settings, state, qs, lengths)
 
     # the chunked cold row (today's cached path), its checkpoints against the planted ones
     chunked = StateCache(ChunkRunner(m16, fk, max_pos=8192, max_slots=4, pool=runner.pool), settings)  # own buffers
@@ -261,11 +287,18 @@ def bench(args):
 
 def main():
     global OUT
+    if torch.cuda.is_available():  # the compile caches the engine keeps (a carried copy serves these kernels too)
+        from statecache.compile_cache import use_persistent_caches
+
+        use_persistent_caches()
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--shape", default="9B")
     ap.add_argument("--cache-mb", type=int, default=16384)
     ap.add_argument("--no-compile", action="store_true", help="eager elementwise pieces (default: compiled)")
+    ap.add_argument("--lengths", default="4096,2432", help="state lengths for the planting graph against the plain graph")
+    ap.add_argument("--graph-only", action="store_true",
+                    help="only the plain graph and the planting graphs at --lengths (no packed, chunked or 4-state parts)")
     ap.add_argument("--f32", action="store_true", help="also compare the states in float32 (torch kernels)")
     args = ap.parse_args()
     OUT = Path(args.out)

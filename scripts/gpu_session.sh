@@ -9,11 +9,19 @@
 #   load        bench/load_bench.py, random 9B checkpoint, 16 and 64 agents through the worker, score, transformers (540)
 #   load16      the same with 16 agents only, no score or transformers (360: a cold start alone took 229 s)
 #   load16s     16 agents, then score and transformers on 8 rows (560)
+#   load1664    16 then 64 agents, no score or transformers (420)
 #   load64      64 agents only, no score or transformers (400)
 #   load16score 16 agents, then score; no transformers (480)
 #   plant       bench/gpu_plant.py, 9B: a lone new state through the planting graph against the plain graph (260)
+#   plantg      bench/gpu_plant.py --graph-only: planting graph against the plain graph at several lengths, timed
+#               alternately (200)
+#   score       statecache score alone (load_bench --skip-worker), 60 timed rows with --timings (400)
+#   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB, to carry into a
+#               later call as .gpucache-carry (see below) (60)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
+#   batchv      bench/gpu_batch.py, 9B, 1, 4 and 16 hits, each again with the delta rule's value blocks and warps of
+#               $DELTA_VARIANTS (default 64:4,128:8), no kernel sweep (200)
 #   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (280)
 #   images      bench/gpu_images.py --compile, 9B with its vision tower (200)
 #   agree       bench/gpu_agree32.py, 40 rows against float32 and transformers (240)
@@ -32,6 +40,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     || { echo "gpu_session: the carried wheels did not install (is .whl in carry?)"; exit 2; }
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 export STATECACHE_HOME="${STATECACHE_HOME:-/tmp/statecache-home}"
+# compile caches brought back by an earlier call's packcache step and carried in (.gpucache-carry/cc.tgz.NN)
+if ls .gpucache-carry/cc.tgz.* >/dev/null 2>&1 && [ ! -d "$STATECACHE_HOME/compile" ]; then
+    mkdir -p "$STATECACHE_HOME" && cat .gpucache-carry/cc.tgz.* | tar xzf - -C "$STATECACHE_HOME" \
+        && echo "gpu_session: compile caches unpacked ($(du -sh "$STATECACHE_HOME/compile" | cut -f1))"
+fi
 CKPT="--random-shape 9B --model /tmp/ck9b"  # a random 9B checkpoint in the Hugging Face layout, made once a machine
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$R/device.txt"
 
@@ -49,13 +62,23 @@ run_step() {
                   --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 8 >"$dir/log.txt" 2>&1 ;;
         load16score) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
                   --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
+        load1664) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16,64 \
+                  --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         load64) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 64 \
                   --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         plant) timeout "$limit" python3 bench/gpu_plant.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
+        plantg) timeout "$limit" python3 bench/gpu_plant.py --out "$dir" --graph-only \
+                  --lengths "${PLANT_LENGTHS:-2432,3008,4096}" >"$dir/log.txt" 2>&1 ;;
+        score) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --skip-worker \
+                  --score-rows 60 --score-warmup 20 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
+        packcache) (cd "$STATECACHE_HOME" && du -sh compile && tar czf - compile | split -b 15M -d - "$OUT/cc.tgz.") \
+                  >"$dir/log.txt" 2>&1; ls -la "$OUT" >>"$dir/log.txt" ;;
         profile) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s 5 >"$dir/log.txt" 2>&1 ;;
         batch) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts 1,4,16,64 \
                   >"$dir/log.txt" 2>&1 ;;
+        batchv) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts "${BATCH_COUNTS:-1,4,16}" --no-kernel-sweep \
+                  --delta-variants "${DELTA_VARIANTS:-64:4,128:8}" >"$dir/log.txt" 2>&1 ;;
         specialists) timeout "$limit" python3 bench/gpu_specialists.py --out "$dir" --shape 9B --routes 4 --rank 16 --skip-profile \
                   >"$dir/log.txt" 2>&1 ;;
         images) timeout "$limit" python3 bench/gpu_images.py --compile --out "$dir" >"$dir/log.txt" 2>&1 ;;
@@ -74,7 +97,7 @@ run_step() {
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([load]=540 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     name=${arg%%:*}
     limit=${LIMIT[$name]:-300}
