@@ -16,8 +16,7 @@
 #   plantg      bench/gpu_plant.py --graph-only: planting graph against the plain graph at several lengths, timed
 #               alternately (200)
 #   score       statecache score alone (load_bench --skip-worker), 60 timed rows with --timings (400)
-#   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB, to carry into a
-#               later call as .gpucache-carry (see below) (60)
+#   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB (60)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
 #   batchv      bench/gpu_batch.py, 9B, 1, 4 and 16 hits, each again with the delta rule's value blocks and warps of
@@ -31,6 +30,9 @@
 # (default here: /tmp/statecache-home, which outlives a call while the machine stays warm, as /tmp/ck9b does; a
 # folder in the repository, not ignored by .gitignore, did not: in session 9 the second call's worker took 73 s for
 # its chunk graphs where score, in the call before, took 12 s with the caches the worker had just written).
+# Across machines: copy the cc.tgz.NN files a `packcache` step brought back into .gpucache-carry/ (git ignores it)
+# and name it in `carry` beside .whl; the next call unpacks them before its first step (session 10: the worker's
+# precapture took 82 s with them against 279 s cold; bench/README.md).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:?run this through the device tool: \$OUT is where results go}"
