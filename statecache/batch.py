@@ -517,6 +517,7 @@ class BatchRunner:
             raise ValueError("no pieces")
         S_shape, S_dtype = self.st.S.shape[:1] + self.st.S.shape[2:], self.st.S.dtype
         S_inner = self.st.S.stride()[2:]  # a contiguous layer's strides (the slots' own)
+        slots_at = self.st.S.untyped_storage().data_ptr()
         lens = []
         for pc in pieces:
             n = pc.e - pc.s
@@ -527,6 +528,8 @@ class BatchRunner:
             if pc.S.shape != S_shape or pc.S.dtype != S_dtype or not (pc.S.stride()[1:] == S_inner
                                                                        or pc.S[0].is_contiguous()):
                 raise NotBatched("a piece's GDN states must be float32 [G, Hv, Dk, Dv], each layer's contiguous")
+            if pc.S.untyped_storage().data_ptr() == slots_at:  # read in place while other slots are written
+                raise NotBatched("a piece's GDN states must not be a view of the batch slots")
             lens.append(n)
         B, T, L = len(pieces), sum(lens), max(lens)
         key = self.ensure(B, T, any(pc.snaps for pc in pieces))

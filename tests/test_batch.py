@@ -228,6 +228,23 @@ def test_a_forward_failing_at_the_wait_counts_nothing(monkeypatch):
     assert all(cache.index.lookup(r[0], limit=down(300)).used > used for k, r in enumerate(rows) if k != 2)
 
 
+def test_states_in_the_batch_slots_are_refused():
+    """A piece whose GDN states are a view of the batch slots (read in place while other sequences write their slots)
+    is refused with NotBatched before anything runs."""
+    from statecache.batch import NotBatched, Piece
+
+    runner = batch_cache().batch
+    cfg = runner.model.cfg
+    G, W = len(cfg.linear_layers), cfg.linear_conv_kernel_dim
+    conv = torch.zeros(G, W - 1, cfg.conv_dim)
+    ok = Piece(toks(64, 7), 0, 64, conv, torch.zeros_like(runner.st.S[:, 0]), None, None, (63,), (4,))
+    runner.load([ok])
+    runner.forward([ok])  # a state of its own: runs
+    bad = Piece(ok.ids, 0, 64, conv, runner.st.S[:, 1], None, None, (63,), (4,))
+    with pytest.raises(NotBatched, match="view of the batch slots"):
+        runner.forward([ok, bad])
+
+
 def test_more_rows_than_the_largest_batch():
     cache = batch_cache(max_batch=2)
     states = [toks(280, 90 + k) for k in range(3)]
