@@ -317,6 +317,18 @@ def variants(cfg, dev, dtype, state: int, B: int = 16, L: int = 64):
         except Exception as e:  # noqa: BLE001
             out[name] = f"{type(e).__name__}: {str(e)[:200]}"
         log("variant", name, out[name])
+    # fla's chain of chunked kernels over the same packed sequences, each from its own initial state (what the packed
+    # path runs): at one sequence it lost to delta_batch (33 against 16 us, s3); at 16 its chunks run in parallel
+    name = f"{'' if B == 16 else f'b{B}_'}{'' if L == 64 else f'l{L}_'}delta_fla_chain"
+    try:
+        from statecache.kernels import FlaKernels
+
+        fk = FlaKernels()
+        init = torch.zeros(B, Hv, Dk, Dv, device=dev)
+        out[name] = graph_us([lambda: fk.delta(qd[None], kd[None], vd[None], gd[None], bd[None], init, cu)])
+    except Exception as e:  # noqa: BLE001
+        out[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    log("variant", name, out[name])
 
 
 def _cmp(a, b) -> float:
