@@ -415,11 +415,9 @@ class BatchRunner:
                 kv_step.append((pc.K.stride(0) * es - lk, pc.V.stride(0) * es - lv))
             t += e - s
             cu.append(t)
-        buf[:t] = np.concatenate(chunks) if B > 1 else chunks[0]
-        if B > 1:  # rotary positions s + i of each piece
-            buf[o_pos : o_pos + t] = np.arange(t) + np.repeat([s - c + n for s, c, n in zip(starts, cu, lens)], lens)
-        else:
-            buf[o_pos : o_pos + t] = np.arange(starts[0], starts[0] + t)
+        buf[:t] = np.concatenate(chunks)
+        # rotary positions s + i of each piece
+        buf[o_pos : o_pos + t] = np.arange(t) + np.repeat([s - c + n for s, c, n in zip(starts, cu, lens)], lens)
         if slot_at:
             buf[o_slots:o_nopts][slot_at] = slot_x
         buf[o_nopts:o_cu] = 2
@@ -438,11 +436,7 @@ class BatchRunner:
         soff[:, :B] = (np.array(s_base) + self._gdn_layers * np.array(s_step)) // fs
         off = buf[o_off:o_soff].reshape(A, Bb, 2)
         if kv_b:  # each group's layer a relative to the chunk buffer's layer a (same dtype, any address)
-            rel = (np.array(kv_base) + self._attn_layers * np.array(kv_step)) // es  # [A, cached, 2]
-            if len(kv_b) == B:
-                off[:, :B] = rel
-            else:
-                off[:, kv_b] = rel
+            off[:, kv_b] = (np.array(kv_base) + self._attn_layers * np.array(kv_step)) // es  # [A, cached, 2]
         if (off % 16).any():  # the span kernel loads cached keys as 16-element vectors (span_triton.attend_batch)
             raise NotBatched("a group's K/V is not aligned to 16 elements")
         if (soff % 16).any():  # so does the delta kernel a state (gdn_triton.delta_batch)
@@ -631,7 +625,6 @@ class _Row:
     route: int = 0  # specialists: the route it runs with (its checkpoint's)
     fsum: torch.Tensor | None = None  # specialists: the router's feature sum over [0, next piece's start)
     inside: tuple = ()  # one piece [c0, n) that plants: the checkpoint positions it snapshots inside (Piece.snaps)
-    answer: object = None  # its Answer but the probabilities, made beside the GPU's last forward (`_answer`)
 
 
 def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner", found=None) -> _Row | None:
@@ -678,18 +671,8 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner
     return r
 
 
-def _answer(r: _Row, route: int | None):
-    """Row r's Answer but its probabilities (r.probs, once read), for a run that went through."""
-    from .cache import Answer
-
-    c0, n = r.best.pos, len(r.ids)
-    return Answer(None, "hit" if c0 == r.p else "partial", c0, n - c0, route)
-
-
-def _step(runner: BatchRunner, rows: list[_Row], log, beside=None) -> list[_Row]:
-    """One forward of the rows' next pieces (halved on failure); returns the rows that failed. beside(rows): host
-    work to do while the GPU runs a forward that answers questions, before the host waits for it (it must leave no
-    trace outside the rows: the forward may still fail)."""
+def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
+    """One forward of the rows' next pieces (halved on failure); returns the rows that failed."""
     pieces, asks = [], False
     for r in rows:
         s, e, kind = r.todo[0]
@@ -703,8 +686,6 @@ def _step(runner: BatchRunner, rows: list[_Row], log, beside=None) -> list[_Row]
         runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), any(pc.snaps for pc in pieces))
         runner.load(pieces)
         out = runner.forward(pieces)
-        if asks and beside is not None:
-            beside(rows)
         # waits for the GPU; numpy's views of the answers are slices (a torch slice costs ~1 us)
         probs = runner.read(out).numpy() if asks else None
     except Exception as ex:  # noqa: BLE001 - isolate the failing row by halving
@@ -712,7 +693,7 @@ def _step(runner: BatchRunner, rows: list[_Row], log, beside=None) -> list[_Row]
             log.warning("batched row failed: %s: %s", type(ex).__name__, str(ex)[:200])
             return rows
         h = len(rows) // 2
-        return _step(runner, rows[:h], log, beside) + _step(runner, rows[h:], log, beside)
+        return _step(runner, rows[:h], log) + _step(runner, rows[h:], log)
     for b, r in enumerate(rows):  # the forward went through: snapshots, chunk K/V and answers
         s, e, kind = r.todo.pop(0)
         if r.fsum is not None:
@@ -743,6 +724,8 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
     route; its answer counts both runs' tokens), unless this call comes from inside a row's `between` hook (the chunk
     runner's buffers hold that row): then it comes back as None, for the caller to run later. found: per row None or
     (checkpoint, index version) of the caller's lookup of it (`_plan`)."""
+    from .cache import Answer
+
     if (runner.spec is None) != (cache.runner.spec is None):
         raise ValueError("the batch runner and the cache's chunk runner must share their specialists (or both have none)")
     out: list = [None] * len(rows)
@@ -756,14 +739,6 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
         if r is not None:
             live.append(r)
     done: list[_Row] = []
-
-    def beside(step_rows: list[_Row]) -> None:  # while the GPU runs: the answers of rows it finishes (trunk: their
-        for r in step_rows:  # routes are known), kept on the rows until it went through
-            if len(r.todo) == 1:
-                r.answer = _answer(r, None)
-
-    if runner.spec is not None:  # the router decides a row's route (and whether it is answered) after the forward
-        beside = None
     while live:
         groups, cur, tokens, snaps = [], [], 0, 0
         for r in live:
@@ -778,7 +753,7 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
         groups.append(cur)
         failed = set()
         for grp in groups:
-            failed.update(_step(runner, grp, log, beside))
+            failed.update(_step(runner, grp, log))
         done += [r for r in live if r not in failed and not r.todo]
         live = [r for r in live if r not in failed and r.todo]
     spec, again = runner.spec, []
@@ -787,33 +762,25 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
         F = torch.stack([r.fsum for r in done])
         n_tok = torch.tensor([float(len(r.ids)) for r in done], device=F.device)
         routes = spec.router.logits(F / n_tok[:, None]).argmax(-1).tolist()
-    st, index = cache.stats, cache.index
-    kept = hits = reused = computed = 0  # the answered rows' counts, added to the stats once (also on an error)
-    try:
-        for r, route in zip(done, routes):
-            c0, n = r.best.pos, len(r.ids)
-            if route is not None and route != r.route:  # a misprediction: nothing of this run is kept
-                st["mispredict"] += 1
-                again.append((r, route, n - c0))
-                continue
-            ans = r.answer if r.answer is not None else _answer(r, route)
-            ans.probs = r.probs
-            hit = c0 == r.p
-            kept, hits, reused, computed = kept + 1, hits + hit, reused + c0, computed + n - c0
-            index.touch(r.best)
-            if r.snaps:  # a group of its own, its K/V those the batch wrote
-                cache._plant(r.ids, r.p, r.snaps, r.route, (r.newK, r.newV))
-            if route is not None:
-                cache.last_route = route
-            out[r.i] = ans
-    finally:
-        if kept:
-            st["rows"] += kept
-            st["batched"] = st.get("batched", 0) + kept
-            st["hits"] += hits
-            st["partial"] += kept - hits
-            st["tokens_reused"] += reused
-            st["tokens_computed"] += computed
+    for r, route in zip(done, routes):
+        c0, n = r.best.pos, len(r.ids)
+        if route is not None and route != r.route:  # a misprediction: nothing of this run is kept
+            cache.stats["mispredict"] += 1
+            again.append((r, route, n - c0))
+            continue
+        path = "hit" if c0 == r.p else "partial"
+        st = cache.stats
+        st["rows"] += 1
+        st["batched"] = st.get("batched", 0) + 1
+        st["hits" if path == "hit" else path] += 1
+        st["tokens_reused"] += c0
+        st["tokens_computed"] += n - c0
+        cache.index.touch(r.best)
+        if r.snaps:  # a group of its own, its K/V those the batch wrote
+            cache._plant(r.ids, r.p, r.snaps, r.route, (r.newK, r.newV))
+        if route is not None:
+            cache.last_route = route
+        out[r.i] = Answer(r.probs, path, c0, n - c0, route)
     cache.stats["evicted"] += len(cache.index.evict())
     if again and not cache.in_row:
         between, cache.between = cache.between, None  # its chunks call nobody back

@@ -196,9 +196,8 @@ def test_a_bad_row_fails_alone():
 
 
 def test_a_forward_failing_at_the_wait_counts_nothing(monkeypatch):
-    """A forward that fails only when the host waits for it (an asynchronous GPU error, after the answers' bookkeeping
-    was prepared beside it): its rows are halved down as for any failure, and the failing row is neither counted nor
-    touched as if answered; the others are, once each."""
+    """A forward that fails only when the host waits for it (an asynchronous GPU error): its rows are halved down as
+    for any failure, and the failing row is neither counted nor touched as if answered; the others are, once each."""
     cache = batch_cache()
     states = [toks(300, 60 + k) for k in range(4)]
     for k, s in enumerate(states):
