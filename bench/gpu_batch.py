@@ -127,6 +127,9 @@ def main():
     ap.add_argument("--delta-variants", default="", metavar="BV:W,...",
                     help="after each case, the same rows again with the batched delta rule's value block and warps "
                          "(e.g. 64:4,128:8), each shape's graph recaptured")
+    ap.add_argument("--fla-from", type=int, default=0, metavar="N",
+                    help="cases of at least N hits also run as questions-only forwards (fla's delta rule, "
+                         "BatchRunner.fla_from), against the ordinary batch graph")
     ap.add_argument("--no-kernel-sweep", action="store_true", help="skip the per-kernel launch-knob sweep at the end")
     ap.add_argument("--cache-mb", type=int, default=0, help="cache budget (default: enough for every state)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds: start no new case after this")
@@ -329,6 +332,40 @@ def variants(cfg, dev, dtype, state: int, B: int = 16, L: int = 64):
     except Exception as e:  # noqa: BLE001
         out[name] = f"{type(e).__name__}: {str(e)[:200]}"
     log("variant", name, out[name])
+    # the same chain with its chunk indices computed before the capture (fla 0.6 takes them as an argument, so nothing
+    # is read on the host inside the graph): the form a batch graph could hold; with and without the final states; and
+    # what gathering B states of one layer from their own tensors into contiguous slots costs (fla wants them so)
+    pre = f"{'' if B == 16 else f'b{B}_'}{'' if L == 64 else f'l{L}_'}"
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        ci = prepare_chunk_indices(cu, 64)
+        init = torch.randn(B, Hv, Dk, Dv, device=dev) * 0.1
+        S.copy_(init)
+        o_ours = gdn_triton.delta_batch(qd, kd, vd, gd, bd, S, cu, L)
+        o_fla, S_fla = chunk_gated_delta_rule(qd[None], kd[None], vd[None], gd[None], bd[None], initial_state=init,
+                                              output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                              chunk_indices=ci)
+        out[pre + "fla_vs_ours_max_do"] = _cmp(o_fla[0], o_ours)
+        out[pre + "fla_vs_ours_max_dS"] = _cmp(S_fla, S)
+        log("variant", pre + "fla vs ours", out[pre + "fla_vs_ours_max_do"], out[pre + "fla_vs_ours_max_dS"])
+        for final in (False, True):
+            name = pre + ("delta_fla_static_final" if final else "delta_fla_static")
+            try:
+                out[name] = graph_us([lambda: chunk_gated_delta_rule(
+                    qd[None], kd[None], vd[None], gd[None], bd[None], initial_state=init, output_final_state=final,
+                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu, chunk_indices=ci)])
+            except Exception as e:  # noqa: BLE001
+                out[name] = f"{type(e).__name__}: {str(e)[:200]}"
+            log("variant", name, out[name])
+        srcs = [torch.randn(Hv, Dk, Dv, device=dev) for _ in range(B)]
+        name = pre + "state_gather"
+        out[name] = graph_us([lambda: [init[b].copy_(srcs[b]) for b in range(B)]])
+        log("variant", name, out[name])
+    except Exception as e:  # noqa: BLE001
+        out[pre + "delta_fla_static"] = f"{type(e).__name__}: {str(e)[:200]}"
+        log("variant", pre + "delta_fla_static", out[pre + "delta_fla_static"])
 
 
 def _cmp(a, b) -> float:
@@ -396,6 +433,29 @@ def case(cache, states, question, n: int, args, dev):
         save()
     runner.bk.delta_kw = {}
     runner.graphs.pop(key, None)
+    # the same rows as a questions-only forward: the delta rule through fla's chain (BatchRunner.fla_from), in a graph
+    # of its own, against the ordinary graph above
+    if args.fla_from and runner.bk.fla is not None and runner.use_graphs and n >= args.fla_from:
+        runner.fla_from = args.fla_from
+        try:
+            again = cache.rows_batched(rows)  # captures the questions-only graph
+            ms, again = timed(lambda: cache.rows_batched(rows), dev, args.reps)
+            v = {"batched_ms": ms, "max_dp_vs_single": max((maxdp(a, b) for a, b in zip(single, again)
+                                                            if a is not None and b is not None), default=None),
+                 "max_dp_vs_batched": max((maxdp(a, b) for a, b in zip(batched, again)
+                                           if a is not None and b is not None), default=None),
+                 "answered": sum(b is not None for b in again), "fla_forwards": runner.stats.get("fla_forwards", 0)}
+            g = runner.ask_graphs.get(tuple(key[:2])) if key else None
+            if g is not None:
+                from gpu_timing import replay_median_ms
+
+                v["graph_ms"] = round(replay_median_ms(g.graph, 20), 3)
+        except Exception as e:  # noqa: BLE001
+            v = {"error": f"{type(e).__name__}: {str(e)[:300]}", "failures": runner.failures[-2:]}
+        res["fla"] = v
+        log(f"case {n}: questions-only graph (fla's delta rule): {v}")
+        save()
+        runner.fla_from = 0
 
 
 if __name__ == "__main__":

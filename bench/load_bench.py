@@ -298,6 +298,35 @@ async def run_agents(client: Client, trace: AgentTrace, seconds: float, max_rows
     return records, last_done[0] - t_start
 
 
+class GpuBusy:
+    """nvidia-smi's utilization.gpu (the share of each ~1/6 s sample in which some kernel ran), sampled every 200 ms
+    while a configuration's agents run: how much of the time the worker kept the device busy. `mean` is None where
+    there is no nvidia-smi (the CPU)."""
+
+    def __init__(self):
+        self.proc = None
+        self.samples: list[float] = []
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.samples = [float(x) for x in out.split() if x.replace(".", "", 1).isdigit()]
+        return False
+
+    @property
+    def mean(self) -> float | None:
+        return round(statistics.fmean(self.samples), 1) if self.samples else None
+
+
 CHECK_ROWS = 24  # the worker's answers to this many rows of its first configuration are asked again of score
 
 
@@ -317,8 +346,10 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
             trace = AgentTrace(n, seed=args.seed * 1000 + 1 + k, vocab=vocab, min_state=args.min_state,
                                max_state=args.max_state)
             print(f"[load] {n} agents for {args.seconds} s ...", file=sys.stderr, flush=True)
-            records, elapsed = await run_agents(client, trace, args.seconds, args.rows, args.job_timeout_s)
+            with GpuBusy() as busy:
+                records, elapsed = await run_agents(client, trace, args.seconds, args.rows, args.job_timeout_s)
             s = summarise(records, elapsed)
+            s["gpu_busy_pct"] = busy.mean  # nvidia-smi's utilization.gpu over the timed stretch (None: no GPU)
             if args.profile_s > 0:  # after the timed stretch, the agents going on (untimed): the profiler slows it
                 prof = asyncio.ensure_future(client.profile(args.profile_s, rows=40))
                 await run_agents(client, trace, args.profile_s + 1.0, 0, args.job_timeout_s)
@@ -343,6 +374,7 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
             print(f"[load] {n} agents: {s['rows']} rows, {s['rows_per_s']} rows/s, paths {s['paths']}, "
                   f"p50 {s['latency']['p50_ms']} ms, hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms, "
                   f"reused {s['tokens_reused']} of unbounded {s['tokens_reused_unbounded']}, failed {s['failed']}, "
+                  f"GPU busy {s['gpu_busy_pct']}%, "
                   f"worker timing {s['worker_stats'].get('worker', {}).get('timing')}, "
                   f"engine phases {s['worker_stats'].get('engine', {}).get('phases')}", file=sys.stderr, flush=True)
     return out

@@ -3,7 +3,10 @@
 # under its own time limit, and pack everything they wrote into $OUT/results.tgz (one file: the tool brings back at
 # most 8). A step that fails or runs out of time is reported and the next one runs.
 #
-#   bash scripts/gpu_session.sh STEP[:SECONDS] ...        (from the repository root, with .whl carried)
+#   bash scripts/gpu_session.sh STEP[:SECONDS][@VAR=VALUE...] ...   (from the repository root, with .whl carried)
+#
+# @VAR=VALUE sets an environment variable for that step only (e.g. load16@STATECACHE_BATCH_FLA_FROM=8); a step
+# named twice writes its second run to NAME_2, and so on.
 #
 # Steps (default limits in seconds):
 #   load        bench/load_bench.py, random 9B checkpoint, 16 and 64 agents through the worker, score, transformers (540)
@@ -19,6 +22,8 @@
 #   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB (60)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
+#   batchfla    bench/gpu_batch.py, 9B, $BATCH_COUNTS (default 4,16) hits, each also as a questions-only forward
+#               (fla's delta rule, --fla-from ${FLA_FROM:-4}), no kernel sweep (200)
 #   batchv      bench/gpu_batch.py, 9B, 1, 4 and 16 hits, each again with the delta rule's value blocks and warps of
 #               $DELTA_VARIANTS (default 64:4,128:8), no kernel sweep (200)
 #   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (280)
@@ -52,7 +57,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee
 
 run_step() {
     local name=$1 limit=$2
-    local dir="$R/$name"
+    local dir="$R/$name" k=2
+    while [ -e "$dir" ]; do dir="$R/${name}_$k"; k=$((k + 1)); done
     mkdir -p "$dir"
     local t0=$SECONDS rc
     case $name in
@@ -79,6 +85,8 @@ run_step() {
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s 5 >"$dir/log.txt" 2>&1 ;;
         batch) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts 1,4,16,64 \
                   >"$dir/log.txt" 2>&1 ;;
+        batchfla) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts "${BATCH_COUNTS:-4,16}" \
+                  --no-kernel-sweep --fla-from "${FLA_FROM:-4}" >"$dir/log.txt" 2>&1 ;;
         batchv) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts "${BATCH_COUNTS:-1,4,16}" --no-kernel-sweep \
                   --delta-variants "${DELTA_VARIANTS:-64:4,128:8}" >"$dir/log.txt" 2>&1 ;;
         specialists) timeout "$limit" python3 bench/gpu_specialists.py --out "$dir" --shape 9B --routes 4 --rank 16 --skip-profile \
@@ -94,17 +102,19 @@ run_step() {
     rc=$?
     local what="rc $rc"
     [ $rc -eq 124 ] && what="stopped at its $limit s limit"
-    echo "== $name: $what, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
+    echo "== $(basename "$dir")${STEP_ENV:+ ($STEP_ENV)}: $what, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
     grep -hE '^\[(load|agree)\]|ratio|hit|passed|failed|Error|planting' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([batchfla]=200 [plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
-    name=${arg%%:*}
+    IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
+    spec=${parts[0]}
+    name=${spec%%:*}
     limit=${LIMIT[$name]:-300}
-    [ "$arg" != "$name" ] && limit=${arg#*:}
-    run_step "$name" "$limit"
+    [ "$spec" != "$name" ] && limit=${spec#*:}
+    (for kv in "${parts[@]:1}"; do export "${kv?}"; done; STEP_ENV="${parts[*]:1}"; run_step "$name" "$limit")
 done
 tar czf "$OUT/results.tgz" -C /tmp gpu_session
 ls -la "$OUT"
