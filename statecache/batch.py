@@ -61,6 +61,8 @@ TOKENS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 
 CHUNK = 64  # the delta rule's chunk: snapshots sit at multiples of it from a piece's start
 MAX_PIECE = 512  # the most tokens one sequence of a batch may have
 SNAPS_PER_PIECE = 3  # the most snapshots inside one piece (gdn_triton.delta_batch's limit)
+ASK_TOKENS = 256  # questions-only graphs are precaptured up to this many tokens a sequence (a hit's piece: its state's
+# unaligned tail and its question, at most ~150)
 MAX_SNAPS = 16  # snapshot slots of a forward (each holds one GDN state of every layer: 48 MiB at the 9B shape)
 
 
@@ -134,11 +136,12 @@ class BatchMixer:
     """The stateful parts of a forward of Bb packed sequences (Tb tokens), each continuing from its slot."""
 
     def __init__(self, bk, st: BatchState, Bb: int, Tb: int, lmax: int, pos, cu, starts, kv: BatchKV, lens=None,
-                 snaps: Snaps | None = None, src=None):
+                 snaps: Snaps | None = None, src=None, asks: bool = False):
         self.bk, self.st, self.Bb, self.Tb, self.lmax = bk, st, Bb, Tb, lmax
         self.pos, self.cu, self.starts, self.kv, self.lens = pos, cu, starts, kv, lens
         self.snaps = snaps
         self.src = src  # (soff [G, Bb], keep [Bb]): where each sequence's GDN states lie (Triton kernels), or None
+        self.asks = asks  # questions only (no state kept): the delta rule through fla's chain (BatchKernels.delta_asks)
         self.live = torch.arange(Tb, device=pos.device) < cu[-1]  # [Tb]: tokens of some sequence
 
     def conv(self, j, x, w):
@@ -148,8 +151,11 @@ class BatchMixer:
         return self.bk.conv(x, w, self.st.conv[j, : self.Bb], self.cu, self.lmax, self.lens)
 
     def delta(self, j, q, k, v, g, beta):
-        snap = None if self.snaps is None else (self.st.snap_S[j], self.snaps)
         src = None if self.src is None else (self.src[0][j], self.src[1])
+        if self.asks:
+            return self.bk.delta_asks(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, src, self.live,
+                                      self.Tb // CHUNK + self.Bb)
+        snap = None if self.snaps is None else (self.st.snap_S[j], self.snaps)
         return self.bk.delta(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, self.lmax, self.lens, snap, src)
 
     def attend(self, a, q, k, v, scale):
@@ -170,11 +176,15 @@ class BatchKernels:
         self.max_keys = 8192  # the longest span a sequence may have (sizes the span kernel's splits)
         self.span_kw: dict = {}  # launch knobs of span_triton.attend_batch (block sizes, splits)
         self.delta_kw: dict = {}  # launch knobs of gdn_triton.delta_batch (value block, warps); overrides `delta_knobs`
+        # fla's chained delta rule over packed sequences (statecache.kernels.FlaKernels.delta_packed), for forwards
+        # of questions only (`delta_asks`); None where the kernels object has none
+        self.fla = getattr(kernels, "delta_packed", None) if self.triton else None
         if self.triton:
             from . import conv_triton, gdn_triton, span_triton
 
             self._conv = conv_triton.conv_batch
             self._delta, self._span = gdn_triton.delta_batch, span_triton.attend_batch
+            self._gather = gdn_triton.gather_states
 
     # each: x / q, k, v packed [T, ...]; cu [Bb + 1] long (device); lens: host lengths (eager) or None (graphs)
     def conv(self, x, w, tails, cu, lmax, lens):
@@ -213,6 +223,17 @@ class BatchKernels:
                 a = c
         return o
 
+    def delta_asks(self, q, k, v, g, beta, S, cu, src, live, nt_max: int):
+        """The delta rule of a forward whose sequences are all questions (no state kept, no snapshots) through fla's
+        chained kernels, which solve each 64-token chunk once for all value columns where `delta_batch` repeats the
+        solve per value block: the states gathered into S's slots first (fla reads them side by side; src as in
+        `delta`, None: already there), the chunk layout built on the device (`fla_chunks`, nt_max entries), the final
+        states not written (S keeps the initial ones). Tokens of no sequence come out zero. Graph-safe."""
+        if src is not None:
+            self._gather(S, src[0])
+        o = self.fla(q, k, v, g, beta, S, cu, fla_chunks(cu, nt_max))
+        return torch.where(live[:, None, None], o, 0.0)  # fla leaves those rows unset (maybe NaN: no multiply)
+
     def attend(self, a, q, k, v, cu, starts, kv: BatchKV, lmax, scale, lens):
         if self.triton:
             kw = {"split_lmax": CHUNK, **self.span_kw}  # key splits sized for hits' questions, whatever the graph
@@ -238,6 +259,20 @@ class BatchKernels:
         for n in lens:
             yield s, n
             s += n
+
+
+def fla_chunks(cu: torch.Tensor, nt_max: int) -> torch.Tensor:
+    """fla's chunk indices [nt_max, 2] long ((sequence, chunk within it) of each 64-token chunk, in order) for the
+    packed sequences of `cu` [B + 1] (device), computed on the device, so a graph holds them: fla derives them on the
+    host otherwise. nt_max (at least the chunks there are: tokens // 64 + B covers any lengths) fixes the shape; the
+    entries past the real chunks repeat the last real chunk, which fla's kernels then compute twice, writing the same
+    values (fla 0.6's own fixed-shape indices use a sentinel its delta-rule kernels do not check). Sequences of no
+    tokens have no chunk."""
+    lens = cu[1:] - cu[:-1]
+    offs = torch.nn.functional.pad(((lens + (CHUNK - 1)) // CHUNK).cumsum(0), (1, 0))
+    slots = torch.minimum(torch.arange(nt_max, device=cu.device), offs[-1] - 1)
+    seq = torch.searchsorted(offs, slots, right=True) - 1
+    return torch.stack([seq, slots - offs[seq]], 1)
 
 
 def delta_knobs(batch: int) -> dict:
@@ -285,7 +320,7 @@ class BatchRunner:
     def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
                  max_piece: int = MAX_PIECE, max_pos: int = 8192, graphs: bool | None = None, pad: bool | None = None,
                  pool=None, triton: bool | None = None, batches=BATCHES, tokens=TOKENS, specialists=None,
-                 max_snaps: int = MAX_SNAPS):
+                 max_snaps: int = MAX_SNAPS, fla_from: int = 0):
         self.model, self.device = model, model.device
         self.spec = specialists
         self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
@@ -308,6 +343,10 @@ class BatchRunner:
         self._gdn_layers = np.arange(self.n_gdn, dtype=np.int64)[:, None]  # _pack's per-layer steps
         self._attn_layers = np.arange(self.n_attn, dtype=np.int64)[:, None, None]
         self.graphs: dict[tuple[int, int, bool], _Graph | None] = {}
+        # forwards of at least fla_from sequences, all questions, run the delta rule through fla's chain (graphs of
+        # their own, `ask_graphs`, keyed (batch, tokens)); 0, or no fla: never (see `asks`)
+        self.fla_from = fla_from if (fla_from > 0 and self.bk.fla is not None and self.use_graphs) else 0
+        self.ask_graphs: dict[tuple[int, int], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.stats.update(forwards=0, sequences=0)
@@ -336,6 +375,12 @@ class BatchRunner:
                         out.append((B, T, True))
         return out
 
+    def asks(self, pieces: list["Piece"]) -> bool:
+        """Do these pieces run as a questions-only forward (fla's delta rule, `ask_graphs`)? Only where `fla_from`
+        is on, for at least that many pieces, none of which keeps its state or snapshots."""
+        return (self.fla_from > 0 and len(pieces) >= self.fla_from
+                and not any(pc.keep_state or pc.snaps for pc in pieces))
+
     def _lmax(self, Tb: int) -> int:
         """The longest piece a graph of Tb tokens is built for (sizes the kernels' per-sequence blocks)."""
         return min(Tb, self.max_piece)
@@ -355,11 +400,12 @@ class BatchRunner:
         return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(self.n_attn, Bb, 2), soff.view(self.n_gdn, Bb),
                       keep, *routed, at, rows)
 
-    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens, snap_host=None) -> torch.Tensor:
+    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens, snap_host=None,
+                 asks: bool = False) -> torch.Tensor:
         kv = BatchKV(kv_tensors, g.off, self.st.K, self.st.V)
         snaps = None if g.at is None else Snaps(g.at, g.rows, snap_host)
         src = (g.soff, g.keep) if self.bk.triton else None  # eager kernels: the states were copied into the slots
-        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens, snaps, src)
+        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens, snaps, src, asks)
         lora = None if self.spec is None else TokenRoutes(self.spec.lora, self.spec.router, g.rtok)
         h = self.model.body(g.ids, g.pos, mix, lora)  # [Tb, H]
         if lora is not None:  # each sequence's feature sum over its tokens (padding goes to row Bb, dropped)
@@ -469,29 +515,36 @@ class BatchRunner:
             t += pc.e - pc.s
         return host
 
-    def _capture(self, Bb: int, Tb: int, snaps: bool) -> _Graph | None:
+    def _capture(self, Bb: int, Tb: int, snaps: bool, asks: bool = False) -> _Graph | None:
         inp = torch.zeros(sum(self._sizes(Bb, Tb, snaps)), dtype=torch.long)
         g = self._views(inp.to(self.device), Bb, Tb, snaps)  # all sequences empty: the warm-up runs touch no slot
-        got = try_capture(lambda: self._forward(g, Bb, Tb, self._lmax(Tb), [], None), self.pool, self.stats,
-                          self.failures, f"batch ({Bb}, {Tb}{', snapshots' if snaps else ''})")
+        what = ", snapshots" if snaps else (", questions" if asks else "")
+        got = try_capture(lambda: self._forward(g, Bb, Tb, self._lmax(Tb), [], None, asks=asks), self.pool,
+                          self.stats, self.failures, f"batch ({Bb}, {Tb}{what})")
         if got is None:
             return None
         g.graph, g.out = got
         g.staging = Staging(g.inp)
         return g
 
-    def ensure(self, B: int, T: int, snaps: bool = False) -> tuple[int, int, bool]:
-        """The shape of B sequences of T tokens (keeping snapshots or not), its graph captured (graphs); NotBatched
-        if there is none."""
+    def ensure(self, B: int, T: int, snaps: bool = False, asks: bool = False) -> tuple[int, int, bool]:
+        """The shape of B sequences of T tokens (keeping snapshots or not; a questions-only forward, `asks`), its
+        graph captured (graphs); NotBatched if there is none."""
         key = self.shape(B, T, snaps)
         if key is None:
             raise NotBatched(f"{B} sequences of {T} tokens exceed the largest batch shape")
         if self.use_graphs:
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(*key)
-            if self.graphs[key] is None:
-                raise NotBatched(f"batch graph {key} failed to capture")
+            graphs, gkey = (self.ask_graphs, key[:2]) if asks else (self.graphs, key)
+            if gkey not in graphs:
+                graphs[gkey] = self._capture(*key, asks=asks)
+            if graphs[gkey] is None:
+                raise NotBatched(f"batch graph {key}{' (questions)' if asks else ''} failed to capture")
         return key
+
+    def ensure_pieces(self, pieces: list["Piece"]) -> tuple[int, int, bool]:
+        """`ensure` for the forward of these pieces (call before `load`: a capture overwrites the slots)."""
+        return self.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), any(pc.snaps for pc in pieces),
+                           self.asks(pieces))
 
     def load(self, pieces: list[Piece]) -> None:
         """Gather each piece's conv tails into batch slot b (call after `ensure`: capture overwrites), and with the
@@ -526,7 +579,8 @@ class BatchRunner:
                 raise NotBatched("a piece's GDN states must not be a view of the batch slots")
             lens.append(n)
         B, T, L = len(pieces), sum(lens), max(lens)
-        key = self.ensure(B, T, any(pc.snaps for pc in pieces))
+        asks = self.asks(pieces)
+        key = self.ensure(B, T, any(pc.snaps for pc in pieces), asks)
         Bb, Tb, snaps = key
         if not self.use_graphs:
             inp, snap_host = self._pack(pieces, Bb, Tb, snaps)
@@ -535,7 +589,8 @@ class BatchRunner:
             with torch.no_grad():
                 out = self._forward(g, Bb, Tb, L, [(pc.K, pc.V) for pc in pieces], lens + [0] * (Bb - B), snap_host)
         else:  # packed straight into the graph's staging copy
-            g = self.graphs[key]
+            g = self.ask_graphs[key[:2]] if asks else self.graphs[key]
+            self.stats["fla_forwards"] = self.stats.get("fla_forwards", 0) + asks
             self._send(g, lambda buf: self._pack(pieces, Bb, Tb, snaps, buf))
             self._count(B)
             g.graph.replay()
@@ -585,15 +640,20 @@ class BatchRunner:
         """Capture every (batch, tokens) graph now, printing progress; returns the count and seconds spent."""
         t0 = time.perf_counter()
         keys = self.keys() if self.use_graphs else []
+        if self.fla_from:  # the questions-only forwards' graphs
+            keys = keys + [(B, T, "asks") for B, T, s in keys if not s and B >= self.fla_from and T <= B * ASK_TOKENS]
         for n, key in enumerate(keys, 1):
-            if key not in self.graphs:
+            if key[2] == "asks":
+                if key[:2] not in self.ask_graphs:
+                    self.ask_graphs[key[:2]] = self._capture(*key[:2], False, asks=True)
+            elif key not in self.graphs:
                 self.graphs[key] = self._capture(*key)
             if progress is not None:
                 print(f"\rbatch precapture {n}/{len(keys)} graphs ({time.perf_counter() - t0:.1f} s)", end="",
                       file=progress, flush=True)
         if progress is not None and keys:
             print(file=progress)
-        return {"graphs": sum(g is not None for g in self.graphs.values()),
+        return {"graphs": sum(g is not None for g in (*self.graphs.values(), *self.ask_graphs.values())),
                 "seconds": round(time.perf_counter() - t0, 2),
                 "failed": self.failures[:3]}
 
@@ -683,7 +743,7 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
         else:
             pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None, route=r.route))
     try:
-        runner.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), any(pc.snaps for pc in pieces))
+        runner.ensure_pieces(pieces)
         runner.load(pieces)
         out = runner.forward(pieces)
         # waits for the GPU; numpy's views of the answers are slices (a torch slice costs ~1 us)

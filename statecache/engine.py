@@ -71,7 +71,7 @@ class Engine:
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
                  specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
                  auto_budget: bool | None = None, between_layers: int = 4, plant_graphs: bool | None = None,
-                 plant_overlap: bool = False):
+                 plant_overlap: bool = False, batch_fla_from: int = 0):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -114,7 +114,7 @@ class Engine:
         self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks,
                                   specialists=self.specialists)
         self.cache = StateCache(self.runner, settings)
-        self.cache.batch = self._batch_runner(batch, max_pos) if batch > 0 else None
+        self.cache.batch = self._batch_runner(batch, max_pos, batch_fla_from) if batch > 0 else None
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
         if self.precapture_info is not None and self.cache.batch is not None:
             self.precapture_info["batch"] = self.cache.batch.precapture()
@@ -220,12 +220,13 @@ class Engine:
         s = settings if settings is not None else Settings.from_env()
         args = dict(settings=s.cache_settings(), auto_budget=s.cache_mb is None, compile=s.compile, precapture=s.precapture,
                     cold_ok=load_policy(s.cold_ok), cache_fraction=s.cache_fraction, specialists=s.specialists,
-                    batch=s.batch, home=s.home, between_layers=s.between_layers, plant_overlap=s.plant_overlap)
+                    batch=s.batch, home=s.home, between_layers=s.between_layers, plant_overlap=s.plant_overlap,
+                    batch_fla_from=s.batch_fla_from)
         if s.max_row_tokens is not None:
             args["max_row_tokens"] = s.max_row_tokens
         return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
 
-    def _batch_runner(self, max_batch: int, max_pos: int):
+    def _batch_runner(self, max_batch: int, max_pos: int, fla_from: int = 0):
         """The batched-continuation runner (statecache.batch), or None when it cannot run here: CUDA graphs need its
         Triton kernels (fla's kernels object); eagerly (CPU) the torch loop serves. With specialists each sequence
         runs with its own route."""
@@ -234,7 +235,7 @@ class Engine:
         try:
             return BatchRunner(self.model, self.kernels, max_slots=self.runner.max_slots, max_batch=max_batch,
                                max_pos=max_pos, pool=self.runner.pool, graphs=self.runner.use_graphs,
-                               specialists=self.specialists)
+                               specialists=self.specialists, fla_from=fla_from)
         except Exception:  # noqa: BLE001 - rows then run one at a time
             log.exception("no batched continuations")
             return None

@@ -46,6 +46,7 @@ class Settings:
     precapture: bool = _f(True, "STATECACHE_PRECAPTURE", "capture every CUDA graph before serving (no-op on the CPU)")
     specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; README: Specialists; default: none)")
     batch: int = _f(64, "STATECACHE_BATCH", "most rows of saved states run in one batched forward (0: one at a time)")
+    batch_fla_from: int = _f(0, "STATECACHE_BATCH_FLA_FROM", "on cuda, batched forwards of at least this many questions (hits) run the delta rule through fla's chained kernels, in graphs of their own (0: never)")
     between_layers: int = _f(4, "STATECACHE_BETWEEN_LAYERS", "a new page's forward can stop for the hits that arrived meanwhile every this many layers (0: only after it)")
     plant_overlap: bool = _f(False, "STATECACHE_PLANT_OVERLAP", "on cuda, those stops run beside the new page's forward (its pieces on a stream of their own) instead of after each piece (off until its GPU test has run: README)")
     between_min_rows: int = _f(1, "STATECACHE_BETWEEN_MIN_ROWS", "with BETWEEN_WAIT_S > 0, it stops only once this many such rows wait (each stop is a batched forward: fewer, fuller stops trade hit latency for rows/s)")
@@ -60,6 +61,7 @@ class Settings:
     cache_min_prefix: int = _f(256, "STATECACHE_CACHE_MIN_PREFIX", "shorter states take the plain path")
     cache_max_slots: int = _f(4, "STATECACHE_CACHE_MAX_SLOTS", "answer slots a cached row may have")
     # --- the worker
+    gil_switch_s: float = _f(0.0005, "STATECACHE_GIL_SWITCH_S", "the worker's thread switch interval (sys.setswitchinterval): the longest the GPU thread waits for the event loop to hand the interpreter back before launching the next piece of a forward (0: Python's own, 0.005)")
     max_jobs: int = _f(32, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
     poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "arq polls the queue this often")
     job_timeout_s: float = _f(120.0, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")

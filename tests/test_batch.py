@@ -370,3 +370,51 @@ def test_graphs_plant_a_grown_state_inside_its_piece(monkeypatch):
     hit = cache.rows_batched([later])[0]
     assert hit.path == "hit" and hit.reused == 320
     check(cache, [later], [hit])
+
+
+class _FlaChainShim(TorchKernels):
+    """TorchKernels with FlaKernels' `delta_packed` (fla's chain over packed sequences from given states), done by the
+    torch reference, rows of no sequence left as NaN (fla leaves them unset): what a questions-only graph calls."""
+
+    calls = 0
+
+    def delta_packed(self, q, k, v, g, beta, init, cu, chunk_indices):
+        type(self).calls += 1
+        o, _ = self.delta(q[None], k[None], v[None], g[None], beta[None], init.clone(), cu)
+        return torch.cat([o[0], torch.full_like(v[o.shape[1]:], float("nan"))])
+
+
+def test_graphs_for_questions_only(monkeypatch):
+    """With `fla_from`, a forward of at least that many pieces that are all questions (hits: no state kept, no
+    snapshot) replays a graph of its own whose delta rule is the chain's (`delta_packed` from the gathered states);
+    its answers are the reference's. A smaller batch, or one with a grown state planting inside its piece, takes the
+    ordinary graphs."""
+    from tests.triton_interp import batch_graphs_in_interpreter
+
+    batch_graphs_in_interpreter(monkeypatch)
+    cache = make_cache(True)
+    runner = BatchRunner(small_model(), _FlaChainShim(), max_batch=4, graphs=True, triton=True, max_pos=MAX_POS,
+                         tokens=(64, 128, 256), fla_from=2)
+    runner.bk.span_kw = dict(n_splits=1)
+    cache.batch = runner
+    assert runner.fla_from == 2
+    states = [toks(270, 310 + k) for k in range(3)]
+    for k, s in enumerate(states):
+        cache.row(*row(s, 4, k))
+    _FlaChainShim.calls = 0
+    rows = [row(states[k], 3 + 5 * k, 50 + k, 1 + k % 2) for k in range(3)]
+    ans = cache.rows_batched(rows)
+    assert all(a is not None and a.path == "hit" for a in ans)
+    check(cache, rows, ans)
+    # its graph's capture ran the forward once, its replay once more: each time the chain in every GDN layer
+    assert runner.stats["fla_forwards"] == 1 and _FlaChainShim.calls == 2 * len(runner.model.cfg.linear_layers)
+    assert [k for k, g in runner.ask_graphs.items() if g is not None and g.graph.replays] == [(4, 128)]
+    assert not any(g is not None and g.graph.replays for g in runner.graphs.values())
+    one = cache.rows_batched([row(states[0], 7, 60)])  # one piece: below fla_from
+    check(cache, [row(states[0], 7, 60)], one)
+    grown = states[1] + toks(60, 320)  # p 256 -> 320: plants inside its piece (a snapshot): not questions only
+    mixed = [row(grown, 5, 61, 2), row(states[2], 6, 62)]
+    got = cache.rows_batched(mixed)
+    check(cache, mixed, got)
+    assert [a.path for a in got] == ["partial", "hit"]
+    assert runner.stats["fla_forwards"] == 1 and runner.graphs[(2, 128, True)].graph.replays == 1

@@ -147,6 +147,76 @@ def test_delta_batch_sources(lens, pad):
             assert not (S[b] == 5.0).all() and (S[b] - S_copy[b]).abs().max().item() > TOL, b
 
 
+def _fla_like_chunks(lens):
+    """fla's chunk indices of these sequence lengths (its prepare_chunk_indices, spelt out): (sequence, chunk) each."""
+    return [(b, c) for b, n in enumerate(lens) for c in range(-(-n // 64))]
+
+
+@pytest.mark.parametrize("lens", [[5, 1, 17], [3, 0, 130, 0], [64], [200, 64, 65], [1] * 7])
+def test_fla_chunks(lens):
+    """The device-built chunk layout a questions-only graph hands fla: the real chunks in fla's order, then the last
+    real chunk repeated up to the fixed length, whatever the lengths (zero-length sequences have none)."""
+    from statecache.batch import fla_chunks
+
+    cu, _ = _cu(lens)
+    want = _fla_like_chunks(lens)
+    nt_max = sum(lens) // 64 + len(lens)
+    got = fla_chunks(cu, nt_max).tolist()
+    assert len(got) == nt_max >= len(want)
+    assert [tuple(x) for x in got[: len(want)]] == want
+    assert all(tuple(x) == want[-1] for x in got[len(want):])
+
+
+class _ChainShim(TorchKernels):
+    """A kernels object with `delta_packed` (what FlaKernels runs through fla's chain), done by the torch reference;
+    it also checks the chunk layout it is handed and that the initial states are where fla would read them."""
+
+    def __init__(self, lens, want_states):
+        super().__init__()
+        self.lens, self.want_states, self.calls = lens, want_states, 0
+
+    def delta_packed(self, q, k, v, g, beta, init, cu, chunk_indices):
+        self.calls += 1
+        want = _fla_like_chunks(self.lens)
+        assert [tuple(x) for x in chunk_indices.tolist()[: len(want)]] == want
+        for b, S in enumerate(self.want_states):
+            assert (init[b] - S).abs().max().item() == 0, b  # gathered into the slots
+        o, _ = self.delta(q[None], k[None], v[None], g[None], beta[None], init.clone(), cu)
+        return torch.cat([o[0], torch.full_like(v[o.shape[1]:], float("nan"))])  # fla leaves other rows unset
+
+
+@pytest.mark.parametrize("lens,pad", LENS)
+def test_delta_asks(lens, pad):
+    """A questions-only forward's delta rule (BatchKernels.delta_asks): each sequence's state gathered from where it
+    lies into its slot (gdn_triton.gather_states), the chain run from there, the answers those of the batched kernel
+    over the same states, tokens of no sequence zero (not what the chain left there)."""
+    from statecache.batch import BatchMixer  # noqa: F401 - the mixer's `asks` path calls delta_asks
+
+    g = torch.Generator().manual_seed(11)
+    cu, T = _cu(lens, pad)
+    B, Hk, Hv = len(lens), 2, 4
+    Dk, Dv = (64 if CUDA else 16), 32
+    q, k = (torch.randn(T, Hk, Dk, generator=g).to(DEV) for _ in range(2))
+    v = torch.randn(T, Hv, Dv, generator=g).to(DEV)
+    gate = (-torch.rand(T, Hv, generator=g) * 0.5).to(DEV)
+    beta = torch.rand(T, Hv, generator=g).to(DEV)
+    own = [torch.randn(Hv, Dk, Dv, generator=g).to(DEV) for _ in range(B)]
+    S = torch.full((B, Hv, Dk, Dv), 5.0, device=DEV)
+    es = S.element_size()
+    off = torch.tensor([(own[b].data_ptr() - S[b].data_ptr()) // es for b in range(B)], dtype=torch.long, device=DEV)
+    keep = torch.zeros(B, dtype=torch.long, device=DEV)
+    o_ref = gdn_triton.delta_batch(q, k, v, gate, beta, torch.stack(own), cu, max(lens), dot_precision="ieee")
+    bk = BatchKernels(_ChainShim(lens, own), triton=True)
+    assert bk.fla is not None
+    live = torch.arange(T, device=DEV) < cu[-1]
+    o = bk.delta_asks(q, k, v, gate, beta, S, cu, (off, keep), live, T // 64 + B)
+    assert bk.k.calls == 1
+    assert (o - o_ref).abs().max().item() < TOL
+    assert o[cu[-1]:].abs().max().item() == 0 if pad else True
+    for b in range(B):
+        assert (S[b] - own[b]).abs().max().item() == 0  # the slots hold the gathered initial states
+
+
 @pytest.mark.parametrize("lens,pad", LENS)
 @pytest.mark.parametrize("kw", [dict(block_m=16, block_n=16, n_splits=1), dict(block_m=16, block_n=16, n_splits=3,
                                                                                min_split_keys=1)])
