@@ -216,3 +216,19 @@ def test_profile_a_running_worker(redis_url, queue_name, engine):
     assert all("probs" in a for a in answers) and "probs" in after
     assert got["seconds"] == 1.0 and "aten::" in got["host_table"] and "Name" in got["device_table"]
     assert got["phases"]["packed_rows"] + got["phases"]["graph_rows"] + got["phases"]["batched_rows"] + got["phases"]["one_by_one_rows"] >= 1
+
+
+def test_startup_sets_the_thread_switch_interval(redis_url, queue_name, engine):
+    """The worker shortens Python's thread switch interval (STATECACHE_GIL_SWITCH_S) at start-up, so the GPU thread
+    gets the interpreter back from the event loop quickly between a forward's pieces; 0 leaves Python's own."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        with InProcessWorker(redis_url, queue_name, lambda: engine, gil_switch_s=0.002):
+            assert abs(sys.getswitchinterval() - 0.002) < 1e-9
+        sys.setswitchinterval(0.004)
+        with InProcessWorker(redis_url, queue_name, lambda: engine, gil_switch_s=0.0):
+            assert abs(sys.getswitchinterval() - 0.004) < 1e-9
+    finally:
+        sys.setswitchinterval(before)

@@ -214,6 +214,10 @@ async def startup(ctx: dict) -> None:
     if hasattr(redis, "on_change"):
         redis.on_change = lambda up: metrics.redis_up.set(1 if up else 0)
     port = metrics.serve(settings.metrics_port)
+    if settings.gil_switch_s > 0:
+        # The GPU thread launches a long forward's next piece right after a stop; while the event loop holds the
+        # interpreter (decoding rows, Redis replies) it waits up to this interval, and the GPU may run dry meanwhile
+        sys.setswitchinterval(settings.gil_switch_s)
     t0 = time.perf_counter()
     log.info("statecache worker starting: building the engine (graphs are captured before any job is taken)")
     await asyncio.to_thread(gpu.start)  # the engine (model, cache, graphs) is built once, on the GPU thread
