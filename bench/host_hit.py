@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.stub_forward:
         from statecache.batch import BatchRunner
 
-        def stub(self, g, Bb, Tb, lmax, kv, lens, snap_host=None):
+        def stub(self, g, Bb, Tb, lmax, kv, lens, snap_host=None, asks=False):
             return torch.full((Bb * self.max_slots, len(eng.letter_ids)), 1 / len(eng.letter_ids))
 
         BatchRunner._forward = stub
