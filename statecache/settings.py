@@ -61,7 +61,7 @@ class Settings:
     cache_min_prefix: int = _f(256, "STATECACHE_CACHE_MIN_PREFIX", "shorter states take the plain path")
     cache_max_slots: int = _f(4, "STATECACHE_CACHE_MAX_SLOTS", "answer slots a cached row may have")
     # --- the worker
-    gil_switch_s: float = _f(0.0005, "STATECACHE_GIL_SWITCH_S", "the worker's thread switch interval (sys.setswitchinterval): the longest the GPU thread waits for the event loop to hand the interpreter back before launching the next piece of a forward (0: Python's own, 0.005)")
+    gil_switch_s: float = _f(0.0, "STATECACHE_GIL_SWITCH_S", "the worker's thread switch interval (sys.setswitchinterval): the longest the GPU thread waits for the event loop to hand the interpreter back before launching the next piece of a forward (0: Python's own, 0.005)")
     max_jobs: int = _f(32, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
     poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "arq polls the queue this often")
     job_timeout_s: float = _f(120.0, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")

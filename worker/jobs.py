@@ -217,6 +217,7 @@ async def startup(ctx: dict) -> None:
     if settings.gil_switch_s > 0:
         # The GPU thread launches a long forward's next piece right after a stop; while the event loop holds the
         # interpreter (decoding rows, Redis replies) it waits up to this interval, and the GPU may run dry meanwhile
+        # (README, "The interpreter")
         sys.setswitchinterval(settings.gil_switch_s)
     t0 = time.perf_counter()
     log.info("statecache worker starting: building the engine (graphs are captured before any job is taken)")
