@@ -113,12 +113,10 @@ def test_delta_batch_snapshots():
     assert (snap[5] == 7.0).all()  # a slot nobody asked for is left alone
 
 
-@pytest.mark.parametrize("lens,pad", LENS)
-def test_delta_batch_sources(lens, pad):
-    """Sequences continuing from states in their own tensors (src_off: nothing copied into the slots first) give what
-    the same states copied into the slots give; keep=0 leaves a slot's final state unwritten (a sequence longer than a
-    chunk still writes the states between its chunks there), keep=1 writes it; snapshots are kept either way."""
-    g = torch.Generator().manual_seed(9)
+def _sourced_inputs(lens, pad, seed):
+    """Delta-rule inputs of packed sequences of these lengths, each sequence's state in a tensor of its own (`own`),
+    slots S filled with 5.0 and the element offsets `off` of each state from its slot."""
+    g = torch.Generator().manual_seed(seed)
     cu, T = _cu(lens, pad)
     B, Hk, Hv = len(lens), 2, 4
     Dk, Dv = (64 if CUDA else 16), 32
@@ -127,13 +125,22 @@ def test_delta_batch_sources(lens, pad):
     gate = (-torch.rand(T, Hv, generator=g) * 0.5).to(DEV)
     beta = torch.rand(T, Hv, generator=g).to(DEV)
     own = [torch.randn(Hv, Dk, Dv, generator=g).to(DEV) for _ in range(B)]  # each sequence's state, anywhere
-    S_copy = torch.stack(own)
-    o_copy = gdn_triton.delta_batch(q, k, v, gate, beta, S_copy, cu, max(lens), dot_precision="ieee")
-    keep = torch.tensor([b % 2 for b in range(B)], dtype=torch.long, device=DEV)
     S = torch.full((B, Hv, Dk, Dv), 5.0, device=DEV)
     es = S.element_size()
     off = torch.tensor([(own[b].data_ptr() - S[b].data_ptr()) // es for b in range(B)], dtype=torch.long, device=DEV)
     assert (off % 16 == 0).all()
+    return cu, T, B, (q, k, v, gate, beta), own, S, off
+
+
+@pytest.mark.parametrize("lens,pad", LENS)
+def test_delta_batch_sources(lens, pad):
+    """Sequences continuing from states in their own tensors (src_off: nothing copied into the slots first) give what
+    the same states copied into the slots give; keep=0 leaves a slot's final state unwritten (a sequence longer than a
+    chunk still writes the states between its chunks there), keep=1 writes it; snapshots are kept either way."""
+    cu, T, B, (q, k, v, gate, beta), own, S, off = _sourced_inputs(lens, pad, 9)
+    S_copy = torch.stack(own)
+    o_copy = gdn_triton.delta_batch(q, k, v, gate, beta, S_copy, cu, max(lens), dot_precision="ieee")
+    keep = torch.tensor([b % 2 for b in range(B)], dtype=torch.long, device=DEV)
     before = [x.clone() for x in own]
     o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), src_off=off, keep=keep, dot_precision="ieee")
     assert (o - o_copy).abs().max().item() < TOL
@@ -192,18 +199,7 @@ def test_delta_asks(lens, pad):
     over the same states, tokens of no sequence zero (not what the chain left there)."""
     from statecache.batch import BatchMixer  # noqa: F401 - the mixer's `asks` path calls delta_asks
 
-    g = torch.Generator().manual_seed(11)
-    cu, T = _cu(lens, pad)
-    B, Hk, Hv = len(lens), 2, 4
-    Dk, Dv = (64 if CUDA else 16), 32
-    q, k = (torch.randn(T, Hk, Dk, generator=g).to(DEV) for _ in range(2))
-    v = torch.randn(T, Hv, Dv, generator=g).to(DEV)
-    gate = (-torch.rand(T, Hv, generator=g) * 0.5).to(DEV)
-    beta = torch.rand(T, Hv, generator=g).to(DEV)
-    own = [torch.randn(Hv, Dk, Dv, generator=g).to(DEV) for _ in range(B)]
-    S = torch.full((B, Hv, Dk, Dv), 5.0, device=DEV)
-    es = S.element_size()
-    off = torch.tensor([(own[b].data_ptr() - S[b].data_ptr()) // es for b in range(B)], dtype=torch.long, device=DEV)
+    cu, T, B, (q, k, v, gate, beta), own, S, off = _sourced_inputs(lens, pad, 11)
     keep = torch.zeros(B, dtype=torch.long, device=DEV)
     o_ref = gdn_triton.delta_batch(q, k, v, gate, beta, torch.stack(own), cu, max(lens), dot_precision="ieee")
     bk = BatchKernels(_ChainShim(lens, own), triton=True)

@@ -163,6 +163,44 @@ def test_specialists_batched_hits_match_plain(kernels):
         assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3
 
 
+def test_questions_only_batches_through_flas_chain_match_plain(kernels):
+    """The tiny model on CUDA, float32, with STATECACHE_BATCH_FLA_FROM=2: hits on several saved states run as one
+    questions-only forward (its own graph: fla's chained delta rule from the states gathered into the batch slots,
+    chunk indices built on the device) and answer as the plain path's packed forward; a grown state's row (it keeps
+    snapshots) still takes the ordinary batched graph."""
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+
+    eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128), compile=False,
+                 batch_fla_from=2)
+    runner = eng.cache.batch
+    assert runner is not None and runner.fla_from == 2
+    g = torch.Generator().manual_seed(3)
+    states = [torch.randint(0, eng.vocab_size, (256 + 64 * k,), generator=g).tolist() for k in range(4)]
+
+    def rows(n, grow=0):
+        out = []
+        for s in states:
+            s = s + torch.randint(0, eng.vocab_size, (grow,), generator=g).tolist() if grow else s
+            out.append({"ids": s + torch.randint(0, eng.vocab_size, (n,), generator=g).tolist(), "state_len": len(s),
+                        "slots": [len(s) + n - 1], "nopts": [4]})
+        return out
+    eng.answer(rows(9))  # plants each state
+    for n in (17, 70):  # one and two 64-token chunks a sequence
+        hits = rows(n)
+        before = runner.stats.get("fla_forwards", 0)
+        got = eng.answer(hits)
+        want = eng.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r in hits])
+        assert runner.stats["fla_forwards"] == before + 1
+        assert all(r["path"] == "hit" for r in got)
+        for r, (p, _) in zip(got, want):
+            assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3
+    before = runner.stats["fla_forwards"]
+    grown = rows(5, grow=80)
+    got = eng.answer(grown)
+    assert runner.stats["fla_forwards"] == before and all(r["path"] == "partial" for r in got)
+
+
 def test_delta_states_are_flas_chunk_states(kernels):
     """fla's per-chunk states (delta_states) equal the final state of fla's delta rule over the tokens before each
     chunk, within bf16's rounding of the state; the output is delta's."""
