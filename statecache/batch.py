@@ -267,11 +267,12 @@ def fla_chunks(cu: torch.Tensor, nt_max: int) -> torch.Tensor:
     host otherwise. nt_max (at least the chunks there are: tokens // 64 + B covers any lengths) fixes the shape; the
     entries past the real chunks repeat the last real chunk, which fla's kernels then compute twice, writing the same
     values (fla 0.6's own fixed-shape indices use a sentinel its delta-rule kernels do not check). Sequences of no
-    tokens have no chunk."""
+    tokens have no chunk; with no token at all (a graph's capture, every sequence empty) every entry names chunk 0 of
+    the last sequence, which has no token: fla's kernels then read and write nothing for it."""
     lens = cu[1:] - cu[:-1]
     offs = torch.nn.functional.pad(((lens + (CHUNK - 1)) // CHUNK).cumsum(0), (1, 0))
-    slots = torch.minimum(torch.arange(nt_max, device=cu.device), offs[-1] - 1)
-    seq = torch.searchsorted(offs, slots, right=True) - 1
+    slots = (torch.minimum(torch.arange(nt_max, device=cu.device), offs[-1] - 1)).clamp(min=0)
+    seq = (torch.searchsorted(offs, slots, right=True) - 1).clamp(0, lens.shape[0] - 1)
     return torch.stack([seq, slots - offs[seq]], 1)
 
 

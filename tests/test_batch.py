@@ -8,6 +8,8 @@ transformers' own; over random mixes of hits, grown states and new states with e
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -418,3 +420,36 @@ def test_graphs_for_questions_only(monkeypatch):
     check(cache, mixed, got)
     assert [a.path for a in got] == ["partial", "hit"]
     assert runner.stats["fla_forwards"] == 1 and runner.graphs[(2, 128, True)].graph.replays == 1
+
+
+def test_delta_packed_recomputes_what_fla_derives_from_cu(monkeypatch):
+    """FlaKernels.delta_packed switches fla's identity memo off for its call (a graph's `cu` is one tensor whose values
+    change between replays, so an offsets tensor memoised in the capture's warm-up would be replayed stale), and puts
+    the switch back after, also when fla raises. fla itself is stood in for: the switch is read from `fla.utils` at
+    each call, as fla's own decorator does."""
+    import types
+
+    from statecache.kernels import FlaKernels
+
+    fake = types.ModuleType("fla.utils")
+    fake.FLA_DISABLE_TENSOR_CACHE = False
+    pkg = types.ModuleType("fla")
+    pkg.utils = fake
+    monkeypatch.setitem(sys.modules, "fla", pkg)
+    monkeypatch.setitem(sys.modules, "fla.utils", fake)
+    seen = []
+
+    def gdr(q, k, v, **kw):
+        seen.append((fake.FLA_DISABLE_TENSOR_CACHE, kw["output_final_state"], kw["chunk_indices"] is ci, kw["cu_seqlens"] is cu))
+        if len(seen) == 2:
+            raise RuntimeError("fla failed")
+        return v.clone(), None
+
+    stub = types.SimpleNamespace(_gdr=gdr)
+    T, cu, ci = 5, torch.tensor([0, 2, 5]), torch.zeros(3, 2, dtype=torch.long)
+    q, k, v = torch.randn(T, 1, 4), torch.randn(T, 1, 4), torch.randn(T, 2, 4)
+    o = FlaKernels.delta_packed(stub, q, k, v, torch.zeros(T, 2), torch.ones(T, 2), torch.zeros(2, 2, 4, 4), cu, ci)
+    assert torch.equal(o, v) and seen == [(True, False, True, True)] and fake.FLA_DISABLE_TENSOR_CACHE is False
+    with pytest.raises(RuntimeError):
+        FlaKernels.delta_packed(stub, q, k, v, torch.zeros(T, 2), torch.ones(T, 2), torch.zeros(2, 2, 4, 4), cu, ci)
+    assert fake.FLA_DISABLE_TENSOR_CACHE is False

@@ -174,6 +174,15 @@ def test_fla_chunks(lens):
     assert all(tuple(x) == want[-1] for x in got[len(want):])
 
 
+def test_fla_chunks_of_no_tokens():
+    """Every sequence empty (a graph's capture): every entry is chunk 0 of the last sequence, never an index out of
+    range (fla's kernels would read the offsets before the buffer)."""
+    from statecache.batch import fla_chunks
+
+    cu, _ = _cu([0, 0, 0])
+    assert fla_chunks(cu, 5).tolist() == [[2, 0]] * 5
+
+
 class _ChainShim(TorchKernels):
     """A kernels object with `delta_packed` (what FlaKernels runs through fla's chain), done by the torch reference;
     it also checks the chunk layout it is handed and that the initial states are where fla would read them."""
