@@ -378,8 +378,10 @@ class BatchRunner:
 
     def asks(self, pieces: list["Piece"]) -> bool:
         """Do these pieces run as a questions-only forward (fla's delta rule, `ask_graphs`)? Only where `fla_from`
-        is on, for at least that many pieces, none of which keeps its state or snapshots."""
+        is on, for at least that many pieces, none of which keeps its state or snapshots, of at most ASK_TOKENS
+        tokens a piece on average (the shapes `precapture` captures: no capture while serving)."""
         return (self.fla_from > 0 and len(pieces) >= self.fla_from
+                and sum(pc.e - pc.s for pc in pieces) <= len(pieces) * ASK_TOKENS
                 and not any(pc.keep_state or pc.snaps for pc in pieces))
 
     def _lmax(self, Tb: int) -> int:
