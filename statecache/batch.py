@@ -23,6 +23,9 @@ sequence's own length, so no graph depends on the longest piece; the same code e
 and returns the answers at each piece's slots; after it, the batch slots hold each row's state at its piece's end
 (pieces that keep it) and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `precapture` captures every bucket's graph
 at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
+With `fla_from` (on CUDA), a forward of at least that many pieces that are all questions (no state kept, no snapshot)
+replays a graph of its own (`ask_graphs`) whose delta rule is fla's chain over the states gathered into the slots
+(`BatchKernels.delta_asks`).
 
 A piece may also keep *snapshots*: its state at positions inside it (multiples of 64 tokens from its start, at
 most SNAPS_PER_PIECE), written to slots of `st.snap_S` / `st.snap_conv` (at most `max_snaps` per forward) by the
