@@ -571,14 +571,15 @@ def markdown(res: dict) -> str:
             f"{n} agents: peak {m['peak_allocated']:,.0f}, reserved {m['reserved']:,.0f}, free {m['free']:,.0f}"
             for n, m in mem if m), ""]
     lines += ["| agents | rows/s | rows | failed | memo | hit | partial | cold | plain | p50 ms | p99 ms | hit p50 ms | "
-              "hit p99 ms | reused / unbounded | reused of all tokens |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "hit p99 ms | reused / unbounded | reused of all tokens | GPU busy % |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n, s in res.get("worker", {}).get("configs", {}).items():
         p, hit = s["paths"], s["latency_by_path"].get("hit", {})
         lines.append(f"| {n} | {fmt(s['rows_per_s'])} | {s['rows']} | {s['failed']} | "
                      + " | ".join(str(p.get(k, 0)) for k in PATHS)
                      + f" | {fmt(s['latency']['p50_ms'])} | {fmt(s['latency']['p99_ms'])} | {fmt(hit.get('p50_ms'))} | "
-                     f"{fmt(hit.get('p99_ms'))} | {fmt(s['reused_vs_unbounded'])} | {fmt(s['reused_of_all_tokens'])} |")
+                     f"{fmt(hit.get('p99_ms'))} | {fmt(s['reused_vs_unbounded'])} | {fmt(s['reused_of_all_tokens'])} | "
+                     f"{fmt(s.get('gpu_busy_pct'))} |")
     phases = [(n, s.get("worker_stats", {}).get("engine", {}).get("phases")) for n, s in cfgs.items()]
     if any(ph for _, ph in phases):  # the engine's wall seconds per phase since start-up (Engine.stats()["phases"])
         lines += ["", "Where the engine's time went, since start-up (seconds, rows; the planting graphs and packed "
