@@ -144,8 +144,10 @@ class BatchMixer:
         self.pos, self.cu, self.starts, self.kv, self.lens = pos, cu, starts, kv, lens
         self.snaps = snaps
         self.src = src  # (soff [G, Bb], keep [Bb]): where each sequence's GDN states lie (Triton kernels), or None
-        self.asks = asks  # questions only (no state kept): the delta rule through fla's chain (BatchKernels.delta_asks)
         self.live = torch.arange(Tb, device=pos.device) < cu[-1]  # [Tb]: tokens of some sequence
+        # questions only (no state kept): the delta rule through fla's chain (BatchKernels.delta_asks), its chunk
+        # layout built once a forward, not once a layer
+        self.fla_chunks = fla_chunks(cu, Tb // CHUNK + Bb) if asks else None
 
     def conv(self, j, x, w):
         if self.snaps is not None:  # each slot's tail: the W - 1 inputs before its position
@@ -155,9 +157,9 @@ class BatchMixer:
 
     def delta(self, j, q, k, v, g, beta):
         src = None if self.src is None else (self.src[0][j], self.src[1])
-        if self.asks:
+        if self.fla_chunks is not None:
             return self.bk.delta_asks(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, src, self.live,
-                                      self.Tb // CHUNK + self.Bb)
+                                      self.fla_chunks)
         snap = None if self.snaps is None else (self.st.snap_S[j], self.snaps)
         return self.bk.delta(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, self.lmax, self.lens, snap, src)
 
@@ -226,15 +228,15 @@ class BatchKernels:
                 a = c
         return o
 
-    def delta_asks(self, q, k, v, g, beta, S, cu, src, live, nt_max: int):
+    def delta_asks(self, q, k, v, g, beta, S, cu, src, live, chunks):
         """The delta rule of a forward whose sequences are all questions (no state kept, no snapshots) through fla's
         chained kernels, which solve each 64-token chunk once for all value columns where `delta_batch` repeats the
         solve per value block: the states gathered into S's slots first (fla reads them side by side; src as in
-        `delta`, None: already there), the chunk layout built on the device (`fla_chunks`, nt_max entries), the final
+        `delta`, None: already there), `chunks` the forward's chunk layout (`fla_chunks`, built on the device), the final
         states not written (S keeps the initial ones). Tokens of no sequence come out zero. Graph-safe."""
         if src is not None:
             self._gather(S, src[0])
-        o = self.fla(q, k, v, g, beta, S, cu, fla_chunks(cu, nt_max))
+        o = self.fla(q, k, v, g, beta, S, cu, chunks)
         return torch.where(live[:, None, None], o, 0.0)  # fla leaves those rows unset (maybe NaN: no multiply)
 
     def attend(self, a, q, k, v, cu, starts, kv: BatchKV, lmax, scale, lens):
@@ -539,13 +541,17 @@ class BatchRunner:
         key = self.shape(B, T, snaps)
         if key is None:
             raise NotBatched(f"{B} sequences of {T} tokens exceed the largest batch shape")
-        if self.use_graphs:
-            graphs, gkey = (self.ask_graphs, key[:2]) if asks else (self.graphs, key)
-            if gkey not in graphs:
-                graphs[gkey] = self._capture(*key, asks=asks)
-            if graphs[gkey] is None:
-                raise NotBatched(f"batch graph {key}{' (questions)' if asks else ''} failed to capture")
+        if self.use_graphs and self._graph(key, asks) is None:
+            raise NotBatched(f"batch graph {key}{' (questions)' if asks else ''} failed to capture")
         return key
+
+    def _graph(self, key: tuple[int, int, bool], asks: bool = False) -> _Graph | None:
+        """The graph of a (batch, tokens, snapshots) shape (`asks`: its questions-only graph, `ask_graphs`, keyed
+        without the snapshots flag), captured on first use; None if its capture failed."""
+        graphs, gkey = (self.ask_graphs, key[:2]) if asks else (self.graphs, key)
+        if gkey not in graphs:
+            graphs[gkey] = self._capture(*key, asks=asks)
+        return graphs[gkey]
 
     def ensure_pieces(self, pieces: list["Piece"]) -> tuple[int, int, bool]:
         """`ensure` for the forward of these pieces (call before `load`: a capture overwrites the slots)."""
@@ -595,7 +601,7 @@ class BatchRunner:
             with torch.no_grad():
                 out = self._forward(g, Bb, Tb, L, [(pc.K, pc.V) for pc in pieces], lens + [0] * (Bb - B), snap_host)
         else:  # packed straight into the graph's staging copy
-            g = self.ask_graphs[key[:2]] if asks else self.graphs[key]
+            g = self._graph(key, asks)
             self.stats["fla_forwards"] = self.stats.get("fla_forwards", 0) + asks
             self._send(g, lambda buf: self._pack(pieces, Bb, Tb, snaps, buf))
             self._count(B)
@@ -645,15 +651,12 @@ class BatchRunner:
     def precapture(self, progress=sys.stderr) -> dict:
         """Capture every (batch, tokens) graph now, printing progress; returns the count and seconds spent."""
         t0 = time.perf_counter()
-        keys = self.keys() if self.use_graphs else []
+        keys = [(key, False) for key in self.keys()] if self.use_graphs else []
         if self.fla_from:  # the questions-only forwards' graphs
-            keys = keys + [(B, T, "asks") for B, T, s in keys if not s and B >= self.fla_from and T <= B * ASK_TOKENS]
-        for n, key in enumerate(keys, 1):
-            if key[2] == "asks":
-                if key[:2] not in self.ask_graphs:
-                    self.ask_graphs[key[:2]] = self._capture(*key[:2], False, asks=True)
-            elif key not in self.graphs:
-                self.graphs[key] = self._capture(*key)
+            keys += [(key, True) for key, _ in keys
+                     if not key[2] and key[0] >= self.fla_from and key[1] <= key[0] * ASK_TOKENS]
+        for n, (key, asks) in enumerate(keys, 1):
+            self._graph(key, asks)
             if progress is not None:
                 print(f"\rbatch precapture {n}/{len(keys)} graphs ({time.perf_counter() - t0:.1f} s)", end="",
                       file=progress, flush=True)

@@ -206,7 +206,7 @@ def test_delta_asks(lens, pad):
     """A questions-only forward's delta rule (BatchKernels.delta_asks): each sequence's state gathered from where it
     lies into its slot (gdn_triton.gather_states), the chain run from there, the answers those of the batched kernel
     over the same states, tokens of no sequence zero (not what the chain left there)."""
-    from statecache.batch import BatchMixer  # noqa: F401 - the mixer's `asks` path calls delta_asks
+    from statecache.batch import fla_chunks
 
     cu, T, B, (q, k, v, gate, beta), own, S, off = _sourced_inputs(lens, pad, 11)
     keep = torch.zeros(B, dtype=torch.long, device=DEV)
@@ -214,7 +214,7 @@ def test_delta_asks(lens, pad):
     bk = BatchKernels(_ChainShim(lens, own), triton=True)
     assert bk.fla is not None
     live = torch.arange(T, device=DEV) < cu[-1]
-    o = bk.delta_asks(q, k, v, gate, beta, S, cu, (off, keep), live, T // 64 + B)
+    o = bk.delta_asks(q, k, v, gate, beta, S, cu, (off, keep), live, fla_chunks(cu, T // 64 + B))
     assert bk.k.calls == 1
     assert (o - o_ref).abs().max().item() < TOL
     assert o[cu[-1]:].abs().max().item() == 0 if pad else True
