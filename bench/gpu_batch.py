@@ -342,20 +342,22 @@ def variants(cfg, dev, dtype, state: int, B: int = 16, L: int = 64):
 
         ci = prepare_chunk_indices(cu, 64)
         init = torch.randn(B, Hv, Dk, Dv, device=dev) * 0.1
+
+        def chain(final: bool):
+            return chunk_gated_delta_rule(qd[None], kd[None], vd[None], gd[None], bd[None], initial_state=init,
+                                          output_final_state=final, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                          chunk_indices=ci)
+
         S.copy_(init)
         o_ours = gdn_triton.delta_batch(qd, kd, vd, gd, bd, S, cu, L)
-        o_fla, S_fla = chunk_gated_delta_rule(qd[None], kd[None], vd[None], gd[None], bd[None], initial_state=init,
-                                              output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                                              chunk_indices=ci)
+        o_fla, S_fla = chain(True)
         out[pre + "fla_vs_ours_max_do"] = _cmp(o_fla[0], o_ours)
         out[pre + "fla_vs_ours_max_dS"] = _cmp(S_fla, S)
         log("variant", pre + "fla vs ours", out[pre + "fla_vs_ours_max_do"], out[pre + "fla_vs_ours_max_dS"])
         for final in (False, True):
             name = pre + ("delta_fla_static_final" if final else "delta_fla_static")
             try:
-                out[name] = graph_us([lambda: chunk_gated_delta_rule(
-                    qd[None], kd[None], vd[None], gd[None], bd[None], initial_state=init, output_final_state=final,
-                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu, chunk_indices=ci)])
+                out[name] = graph_us([lambda: chain(final)])
             except Exception as e:  # noqa: BLE001
                 out[name] = f"{type(e).__name__}: {str(e)[:200]}"
             log("variant", name, out[name])
@@ -370,6 +372,29 @@ def variants(cfg, dev, dtype, state: int, B: int = 16, L: int = 64):
 
 def _cmp(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
+
+
+def rerun(cache, rows, single, graph_of, dev, reps: int, batched=None) -> dict:
+    """The case's rows through rows_batched again under other settings (the first call captures what they need):
+    wall ms, agreement with the one-at-a-time answers (and with the first batched ones, when given), rows answered,
+    and the replay of the graph `graph_of()` gives; an error's text instead when it raises."""
+    def worst(ref, got):
+        return max((maxdp(a, b) for a, b in zip(ref, got) if a is not None and b is not None), default=None)
+
+    try:
+        cache.rows_batched(rows)
+        ms, again = timed(lambda: cache.rows_batched(rows), dev, reps)
+        v = {"batched_ms": ms, "max_dp_vs_single": worst(single, again), "answered": sum(b is not None for b in again)}
+        if batched is not None:
+            v["max_dp_vs_batched"] = worst(batched, again)
+        g = graph_of()
+        if g is not None and dev.type == "cuda":
+            from gpu_timing import replay_median_ms
+
+            v["graph_ms"] = round(replay_median_ms(g.graph, 20), 3)
+        return v
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def case(cache, states, question, n: int, args, dev):
@@ -415,19 +440,7 @@ def case(cache, states, question, n: int, args, dev):
         name = f"v{bv}_w{w}"
         runner.bk.delta_kw = {"block_v": bv, "num_warps": w}
         runner.graphs.pop(key, None)
-        try:
-            again = cache.rows_batched(rows)  # captures this shape's graph with the knobs
-            ms, again = timed(lambda: cache.rows_batched(rows), dev, args.reps)
-            v = {"batched_ms": ms, "max_dp_vs_single": max((maxdp(a, b) for a, b in zip(single, again)
-                                                            if a is not None and b is not None), default=None),
-                 "answered": sum(b is not None for b in again)}
-            g = runner.graphs.get(key)
-            if g is not None and dev.type == "cuda":
-                from gpu_timing import replay_median_ms
-
-                v["graph_ms"] = round(replay_median_ms(g.graph, 20), 3)
-        except Exception as e:  # noqa: BLE001
-            v = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        v = rerun(cache, rows, single, lambda: runner.graphs.get(key), dev, args.reps)
         res.setdefault("delta_variants", {})[name] = v
         log(f"case {n}: delta {name}: {v}")
         save()
@@ -437,21 +450,9 @@ def case(cache, states, question, n: int, args, dev):
     # of its own, against the ordinary graph above
     if args.fla_from and runner.bk.fla is not None and runner.use_graphs and n >= args.fla_from:
         runner.fla_from = args.fla_from
-        try:
-            again = cache.rows_batched(rows)  # captures the questions-only graph
-            ms, again = timed(lambda: cache.rows_batched(rows), dev, args.reps)
-            v = {"batched_ms": ms, "max_dp_vs_single": max((maxdp(a, b) for a, b in zip(single, again)
-                                                            if a is not None and b is not None), default=None),
-                 "max_dp_vs_batched": max((maxdp(a, b) for a, b in zip(batched, again)
-                                           if a is not None and b is not None), default=None),
-                 "answered": sum(b is not None for b in again), "fla_forwards": runner.stats.get("fla_forwards", 0)}
-            g = runner.ask_graphs.get(tuple(key[:2])) if key else None
-            if g is not None:
-                from gpu_timing import replay_median_ms
-
-                v["graph_ms"] = round(replay_median_ms(g.graph, 20), 3)
-        except Exception as e:  # noqa: BLE001
-            v = {"error": f"{type(e).__name__}: {str(e)[:300]}", "failures": runner.failures[-2:]}
+        v = rerun(cache, rows, single, lambda: runner.ask_graphs.get(tuple(key[:2])) if key else None, dev,
+                  args.reps, batched)
+        v.update(fla_forwards=runner.stats.get("fla_forwards", 0), failures=runner.failures[-2:])
         res["fla"] = v
         log(f"case {n}: questions-only graph (fla's delta rule): {v}")
         save()
