@@ -127,9 +127,6 @@ def main():
     ap.add_argument("--delta-variants", default="", metavar="BV:W,...",
                     help="after each case, the same rows again with the batched delta rule's value block and warps "
                          "(e.g. 64:4,128:8), each shape's graph recaptured")
-    ap.add_argument("--fla-from", type=int, default=0, metavar="N",
-                    help="cases of at least N hits also run as questions-only forwards (fla's delta rule, "
-                         "BatchRunner.fla_from), against the ordinary batch graph")
     ap.add_argument("--no-kernel-sweep", action="store_true", help="skip the per-kernel launch-knob sweep at the end")
     ap.add_argument("--cache-mb", type=int, default=0, help="cache budget (default: enough for every state)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds: start no new case after this")
@@ -374,10 +371,10 @@ def _cmp(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def rerun(cache, rows, single, graph_of, dev, reps: int, batched=None) -> dict:
+def rerun(cache, rows, single, graph_of, dev, reps: int) -> dict:
     """The case's rows through rows_batched again under other settings (the first call captures what they need):
-    wall ms, agreement with the one-at-a-time answers (and with the first batched ones, when given), rows answered,
-    and the replay of the graph `graph_of()` gives; an error's text instead when it raises."""
+    wall ms, agreement with the one-at-a-time answers, rows answered, and the replay of the graph `graph_of()`
+    gives; an error's text instead when it raises."""
     def worst(ref, got):
         return max((maxdp(a, b) for a, b in zip(ref, got) if a is not None and b is not None), default=None)
 
@@ -385,8 +382,6 @@ def rerun(cache, rows, single, graph_of, dev, reps: int, batched=None) -> dict:
         cache.rows_batched(rows)
         ms, again = timed(lambda: cache.rows_batched(rows), dev, reps)
         v = {"batched_ms": ms, "max_dp_vs_single": worst(single, again), "answered": sum(b is not None for b in again)}
-        if batched is not None:
-            v["max_dp_vs_batched"] = worst(batched, again)
         g = graph_of()
         if g is not None and dev.type == "cuda":
             from gpu_timing import replay_median_ms
@@ -446,17 +441,6 @@ def case(cache, states, question, n: int, args, dev):
         save()
     runner.bk.delta_kw = {}
     runner.graphs.pop(key, None)
-    # the same rows as a questions-only forward: the delta rule through fla's chain (BatchRunner.fla_from), in a graph
-    # of its own, against the ordinary graph above
-    if args.fla_from and runner.bk.fla is not None and runner.use_graphs and n >= args.fla_from:
-        runner.fla_from = args.fla_from
-        v = rerun(cache, rows, single, lambda: runner.ask_graphs.get(tuple(key[:2])) if key else None, dev,
-                  args.reps, batched)
-        v.update(fla_forwards=runner.stats.get("fla_forwards", 0), failures=runner.failures[-2:])
-        res["fla"] = v
-        log(f"case {n}: questions-only graph (fla's delta rule): {v}")
-        save()
-        runner.fla_from = 0
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def screenshot(w=1280, h=800, seed=0) -> bytes:
 
 def build(args):
     """transformers' model and the config pieces: (hf, text cfg, vision cfg, image token ids)."""
-    hf_mod = hf_qwen3_5()
+    hf_mod = hf_qwen3_5(kernels=DEV.type == "cuda")  # fla where it runs: transformers as users run it
     from transformers import Qwen3_5Config
 
     if args.shape == "small":

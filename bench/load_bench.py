@@ -478,7 +478,7 @@ def hf_phase(args, rows: list[Row], ours: list[Record]) -> dict:
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    hf = hf_qwen3_5()
+    hf = hf_qwen3_5(kernels=cuda)  # fla where it runs: transformers as users run it
     cls = hf.Qwen3_5ForConditionalGeneration if checkpoint_layout(args.model) == "conditional" else hf.Qwen3_5ForCausalLM
     t0 = time.perf_counter()
     try:  # straight onto the device (needs accelerate in some versions)

@@ -50,7 +50,7 @@ def text_config(shape: str = "9B", layers: int | None = None, **overrides):
 
 def weight_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """Every tensor transformers' `Qwen3_5ForCausalLM` saves, name -> shape (tied weights once), from a meta model."""
-    hf = hf_qwen3_5()
+    hf = hf_qwen3_5(kernels=None)  # a meta model: no forward
     with torch.device("meta"):
         model = hf.Qwen3_5ForCausalLM(cfg)
     sd = model.state_dict()

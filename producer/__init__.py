@@ -12,7 +12,7 @@ file, and a demo of simulated agents (`statecache-demo`, `python -m producer.dem
 """
 
 from statecache.protocol import ERROR_CODES, JOB_ANSWER, QUEUE_NAME, RemoteJobError, deserialize, serialize
-from producer.client import AnswerTimeout, Client, ClientError, QueueUnavailable, RowRejected, WorkerError
+from producer.client import AnswerTimeout, Client, ClientError, QueueRefused, QueueUnavailable, RowRejected, WorkerError
 
 __all__ = ["serialize", "deserialize", "RemoteJobError", "JOB_ANSWER", "QUEUE_NAME", "ERROR_CODES", "Client",
-           "ClientError", "AnswerTimeout", "QueueUnavailable", "RowRejected", "WorkerError"]
+           "ClientError", "AnswerTimeout", "QueueUnavailable", "QueueRefused", "RowRejected", "WorkerError"]

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from producer.client import ANSWER_TIMEOUT_S, AnswerTimeout, Client, RowRejected, WorkerError
+from producer.client import AnswerTimeout, Client, RowRejected, WorkerError
 from statecache.protocol import error_result
 from statecache.settings import Settings
 
@@ -28,7 +28,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=env.redis_url, help="default: $REDIS_URL")
     p.add_argument("--queue", default=env.queue, help="default: $STATECACHE_QUEUE, else arq's default queue")
     p.add_argument("--concurrency", type=int, default=32, help="rows in flight at once")
-    p.add_argument("--timeout-s", type=float, default=ANSWER_TIMEOUT_S, help="per row")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="per row (default: long enough for a row to run again after a killed worker: the Client's)")
     return p.parse_args(argv)
 
 

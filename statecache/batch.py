@@ -23,9 +23,6 @@ sequence's own length, so no graph depends on the longest piece; the same code e
 and returns the answers at each piece's slots; after it, the batch slots hold each row's state at its piece's end
 (pieces that keep it) and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `precapture` captures every bucket's graph
 at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
-With `fla_from` (on CUDA), a forward of at least that many pieces that are all questions (no state kept, no snapshot)
-replays a graph of its own (`ask_graphs`) whose delta rule is fla's chain over the states gathered into the slots
-(`BatchKernels.delta_asks`).
 
 A piece may also keep *snapshots*: its state at positions inside it (multiples of 64 tokens from its start, at
 most SNAPS_PER_PIECE), written to slots of `st.snap_S` / `st.snap_conv` (at most `max_snaps` per forward) by the
@@ -53,7 +50,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .graphs import Staging, new_stats, try_capture, wait_for_gpu
+from .cache import Answer
+from .graphs import MAX_OPTIONS, Staging, fill_options, n_options, new_stats, try_capture, wait_for_gpu
 from .runner import bucket
 from .specialists.lora import TokenRoutes
 
@@ -64,8 +62,6 @@ TOKENS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 
 CHUNK = 64  # the delta rule's chunk: snapshots sit at multiples of it from a piece's start
 MAX_PIECE = 512  # the most tokens one sequence of a batch may have
 SNAPS_PER_PIECE = 3  # the most snapshots inside one piece (gdn_triton.delta_batch's limit)
-ASK_TOKENS = 256  # questions-only graphs are precaptured up to this many tokens a sequence (a hit's piece: its state's
-# unaligned tail and its question, at most ~150)
 MAX_SNAPS = 16  # snapshot slots of a forward (each holds one GDN state of every layer: 48 MiB at the 9B shape)
 
 
@@ -82,7 +78,7 @@ class Piece:
     K: torch.Tensor | None  # None when s == 0
     V: torch.Tensor | None
     slots: tuple = ()
-    nopts: tuple = ()
+    nopts: tuple = ()  # per slot its options: a count (the first letters) or token ids (statecache.graphs.fill_options)
     route: int = 0  # specialists: the route its adapter layers run with
     snaps: tuple = ()  # positions in (s, e), multiples of CHUNK from s, where its state is also kept (`snapshot`)
     keep_state: bool = True  # leave its state at e in its slot (False: nobody reads it, e.g. after a question)
@@ -139,15 +135,12 @@ class BatchMixer:
     """The stateful parts of a forward of Bb packed sequences (Tb tokens), each continuing from its slot."""
 
     def __init__(self, bk, st: BatchState, Bb: int, Tb: int, lmax: int, pos, cu, starts, kv: BatchKV, lens=None,
-                 snaps: Snaps | None = None, src=None, asks: bool = False):
+                 snaps: Snaps | None = None, src=None):
         self.bk, self.st, self.Bb, self.Tb, self.lmax = bk, st, Bb, Tb, lmax
         self.pos, self.cu, self.starts, self.kv, self.lens = pos, cu, starts, kv, lens
         self.snaps = snaps
         self.src = src  # (soff [G, Bb], keep [Bb]): where each sequence's GDN states lie (Triton kernels), or None
         self.live = torch.arange(Tb, device=pos.device) < cu[-1]  # [Tb]: tokens of some sequence
-        # questions only (no state kept): the delta rule through fla's chain (BatchKernels.delta_asks), its chunk
-        # layout built once a forward, not once a layer
-        self.fla_chunks = fla_chunks(cu, Tb // CHUNK + Bb) if asks else None
 
     def conv(self, j, x, w):
         if self.snaps is not None:  # each slot's tail: the W - 1 inputs before its position
@@ -156,11 +149,8 @@ class BatchMixer:
         return self.bk.conv(x, w, self.st.conv[j, : self.Bb], self.cu, self.lmax, self.lens)
 
     def delta(self, j, q, k, v, g, beta):
-        src = None if self.src is None else (self.src[0][j], self.src[1])
-        if self.fla_chunks is not None:
-            return self.bk.delta_asks(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, src, self.live,
-                                      self.fla_chunks)
         snap = None if self.snaps is None else (self.st.snap_S[j], self.snaps)
+        src = None if self.src is None else (self.src[0][j], self.src[1])
         return self.bk.delta(q, k, v, g, beta, self.st.S[j, : self.Bb], self.cu, self.lmax, self.lens, snap, src)
 
     def attend(self, a, q, k, v, scale):
@@ -181,15 +171,11 @@ class BatchKernels:
         self.max_keys = 8192  # the longest span a sequence may have (sizes the span kernel's splits)
         self.span_kw: dict = {}  # launch knobs of span_triton.attend_batch (block sizes, splits)
         self.delta_kw: dict = {}  # launch knobs of gdn_triton.delta_batch (value block, warps); overrides `delta_knobs`
-        # fla's chained delta rule over packed sequences (statecache.kernels.FlaKernels.delta_packed), for forwards
-        # of questions only (`delta_asks`); None where the kernels object has none
-        self.fla = getattr(kernels, "delta_packed", None) if self.triton else None
         if self.triton:
             from . import conv_triton, gdn_triton, span_triton
 
             self._conv = conv_triton.conv_batch
             self._delta, self._span = gdn_triton.delta_batch, span_triton.attend_batch
-            self._gather = gdn_triton.gather_states
 
     # each: x / q, k, v packed [T, ...]; cu [Bb + 1] long (device); lens: host lengths (eager) or None (graphs)
     def conv(self, x, w, tails, cu, lmax, lens):
@@ -228,17 +214,6 @@ class BatchKernels:
                 a = c
         return o
 
-    def delta_asks(self, q, k, v, g, beta, S, cu, src, live, chunks):
-        """The delta rule of a forward whose sequences are all questions (no state kept, no snapshots) through fla's
-        chained kernels, which solve each 64-token chunk once for all value columns where `delta_batch` repeats the
-        solve per value block: the states gathered into S's slots first (fla reads them side by side; src as in
-        `delta`, None: already there), `chunks` the forward's chunk layout (`fla_chunks`, built on the device), the final
-        states not written (S keeps the initial ones). Tokens of no sequence come out zero. Graph-safe."""
-        if src is not None:
-            self._gather(S, src[0])
-        o = self.fla(q, k, v, g, beta, S, cu, chunks)
-        return torch.where(live[:, None, None], o, 0.0)  # fla leaves those rows unset (maybe NaN: no multiply)
-
     def attend(self, a, q, k, v, cu, starts, kv: BatchKV, lmax, scale, lens):
         if self.triton:
             kw = {"split_lmax": CHUNK, **self.span_kw}  # key splits sized for hits' questions, whatever the graph
@@ -266,21 +241,6 @@ class BatchKernels:
             s += n
 
 
-def fla_chunks(cu: torch.Tensor, nt_max: int) -> torch.Tensor:
-    """fla's chunk indices [nt_max, 2] long ((sequence, chunk within it) of each 64-token chunk, in order) for the
-    packed sequences of `cu` [B + 1] (device), computed on the device, so a graph holds them: fla derives them on the
-    host otherwise. nt_max (at least the chunks there are: tokens // 64 + B covers any lengths) fixes the shape; the
-    entries past the real chunks repeat the last real chunk, which fla's kernels then compute twice, writing the same
-    values (fla 0.6's own fixed-shape indices use a sentinel its delta-rule kernels do not check). Sequences of no
-    tokens have no chunk; with no token at all (a graph's capture, every sequence empty) every entry names chunk 0 of
-    the last sequence, which has no token: fla's kernels then read and write nothing for it."""
-    lens = cu[1:] - cu[:-1]
-    offs = torch.nn.functional.pad(((lens + (CHUNK - 1)) // CHUNK).cumsum(0), (1, 0))
-    slots = (torch.minimum(torch.arange(nt_max, device=cu.device), offs[-1] - 1)).clamp(min=0)
-    seq = (torch.searchsorted(offs, slots, right=True) - 1).clamp(0, lens.shape[0] - 1)
-    return torch.stack([seq, slots - offs[seq]], 1)
-
-
 def delta_knobs(batch: int) -> dict:
     """The batched delta rule's launch knobs for a forward of `batch` sequences: value blocks of 64 from 16 sequences
     on (measured on an H200 at the 9B shape, 64-token pieces: 180 against 196 us a layer at 16 sequences in
@@ -291,13 +251,13 @@ def delta_knobs(batch: int) -> dict:
 
 @dataclass
 class _Graph:
-    inp: torch.Tensor  # long [2 Tb + 2 Bb S + 2 Bb + 1 + 2 A Bb + G Bb + Bb (+ 2 Tb)]: ids | pos | slots | nopts | cu |
+    inp: torch.Tensor  # long [2 Tb + Bb S (1 + MAX_OPTIONS) + 2 Bb + 1 + 2 A Bb + G Bb + Bb (+ 2 Tb)]: ids | pos | slots | options | cu |
     # starts | kv offsets | state offsets | keep (| routes | seq: specialists) (| snapshot positions | tail rows: graphs
     # that keep snapshots)
     ids: torch.Tensor
     pos: torch.Tensor
     slots: torch.Tensor  # [Bb S] packed token index of each answer slot
-    nopts: torch.Tensor  # [Bb S]
+    options: torch.Tensor  # [Bb S, MAX_OPTIONS] (statecache.graphs.fill_options)
     cu: torch.Tensor  # [Bb + 1]
     starts: torch.Tensor  # [Bb]
     off: torch.Tensor  # [A, Bb, 2]
@@ -307,7 +267,7 @@ class _Graph:
     seq: torch.Tensor | None = None  # [Tb] specialists: each token's sequence (padding: Bb, counted nowhere)
     at: torch.Tensor | None = None  # [Bb, SNAPS_PER_PIECE, 2] snapshots (forwards that keep them): Snaps.at
     rows: torch.Tensor | None = None  # [max_snaps * (W - 1)]: Snaps.rows
-    out: torch.Tensor | None = None  # [Bb S, n_letters]
+    out: torch.Tensor | None = None  # [Bb S, MAX_OPTIONS]
     graph: "torch.cuda.CUDAGraph | None" = None
     staging: Staging | None = None
 
@@ -326,7 +286,7 @@ class BatchRunner:
     def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
                  max_piece: int = MAX_PIECE, max_pos: int = 8192, graphs: bool | None = None, pad: bool | None = None,
                  pool=None, triton: bool | None = None, batches=BATCHES, tokens=TOKENS, specialists=None,
-                 max_snaps: int = MAX_SNAPS, fla_from: int = 0):
+                 max_snaps: int = MAX_SNAPS):
         self.model, self.device = model, model.device
         self.spec = specialists
         self.use_graphs = (self.device.type == "cuda") if graphs is None else graphs
@@ -349,10 +309,6 @@ class BatchRunner:
         self._gdn_layers = np.arange(self.n_gdn, dtype=np.int64)[:, None]  # _pack's per-layer steps
         self._attn_layers = np.arange(self.n_attn, dtype=np.int64)[:, None, None]
         self.graphs: dict[tuple[int, int, bool], _Graph | None] = {}
-        # forwards of at least fla_from sequences, all questions, run the delta rule through fla's chain (graphs of
-        # their own, `ask_graphs`, keyed (batch, tokens)); 0, or no fla: never (see `asks`)
-        self.fla_from = fla_from if (fla_from > 0 and self.bk.fla is not None and self.use_graphs) else 0
-        self.ask_graphs: dict[tuple[int, int], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.stats.update(forwards=0, sequences=0)
@@ -381,14 +337,6 @@ class BatchRunner:
                         out.append((B, T, True))
         return out
 
-    def asks(self, pieces: list["Piece"]) -> bool:
-        """Do these pieces run as a questions-only forward (fla's delta rule, `ask_graphs`)? Only where `fla_from`
-        is on, for at least that many pieces, none of which keeps its state or snapshots, of at most ASK_TOKENS
-        tokens a piece on average (the shapes `precapture` captures: no capture while serving)."""
-        return (self.fla_from > 0 and len(pieces) >= self.fla_from
-                and sum(pc.e - pc.s for pc in pieces) <= len(pieces) * ASK_TOKENS
-                and not any(pc.keep_state or pc.snaps for pc in pieces))
-
     def _lmax(self, Tb: int) -> int:
         """The longest piece a graph of Tb tokens is built for (sizes the kernels' per-sequence blocks)."""
         return min(Tb, self.max_piece)
@@ -399,27 +347,26 @@ class BatchRunner:
         """The parts of a forward's input buffer (see _Graph.inp)."""
         S, A = self.max_slots, self.n_attn
         kept = [Bb * SNAPS_PER_PIECE * 2, self.max_snaps * self.tail_rows] if snaps else []
-        return [Tb, Tb, Bb * S, Bb * S, Bb + 1, Bb, 2 * A * Bb, self.n_gdn * Bb, Bb] + ([Tb, Tb] if self.spec else []) + kept
+        return [Tb, Tb, Bb * S, Bb * S * MAX_OPTIONS, Bb + 1, Bb, 2 * A * Bb, self.n_gdn * Bb, Bb] + ([Tb, Tb] if self.spec else []) + kept
 
     def _views(self, inp: torch.Tensor, Bb: int, Tb: int, snaps: bool) -> _Graph:
-        ids, pos, slots, nopts, cu, starts, off, soff, keep, *rest = torch.split(inp, self._sizes(Bb, Tb, snaps))
+        ids, pos, slots, options, cu, starts, off, soff, keep, *rest = torch.split(inp, self._sizes(Bb, Tb, snaps))
         routed = rest[:2] if self.spec else [None, None]
         at, rows = (rest[-2].view(Bb, SNAPS_PER_PIECE, 2), rest[-1]) if snaps else (None, None)
-        return _Graph(inp, ids, pos, slots, nopts, cu, starts, off.view(self.n_attn, Bb, 2), soff.view(self.n_gdn, Bb),
+        return _Graph(inp, ids, pos, slots, options.view(Bb * self.max_slots, MAX_OPTIONS), cu, starts, off.view(self.n_attn, Bb, 2), soff.view(self.n_gdn, Bb),
                       keep, *routed, at, rows)
 
-    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens, snap_host=None,
-                 asks: bool = False) -> torch.Tensor:
+    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens, snap_host=None) -> torch.Tensor:
         kv = BatchKV(kv_tensors, g.off, self.st.K, self.st.V)
         snaps = None if g.at is None else Snaps(g.at, g.rows, snap_host)
         src = (g.soff, g.keep) if self.bk.triton else None  # eager kernels: the states were copied into the slots
-        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens, snaps, src, asks)
+        mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens, snaps, src)
         lora = None if self.spec is None else TokenRoutes(self.spec.lora, self.spec.router, g.rtok)
         h = self.model.body(g.ids, g.pos, mix, lora)  # [Tb, H]
         if lora is not None:  # each sequence's feature sum over its tokens (padding goes to row Bb, dropped)
             sums = torch.zeros(Bb + 1, lora.f.shape[1], device=h.device, dtype=torch.float32)
             self.st.F[:Bb].copy_(sums.index_add_(0, g.seq, lora.f)[:Bb])
-        return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [Bb S, n_letters]
+        return self.model.option_probs(h.index_select(0, g.slots), g.options)  # [Bb S, MAX_OPTIONS]
 
     def _pack(self, pieces: list[Piece], Bb: int, Tb: int, snaps: bool, buf: np.ndarray | None = None
               ) -> tuple[np.ndarray, list | None]:
@@ -435,7 +382,7 @@ class BatchRunner:
             buf.fill(0)
         o_pos, o_slots = Tb, 2 * Tb
         o_nopts = o_slots + Bb * S
-        o_cu = o_nopts + Bb * S
+        o_cu = o_nopts + Bb * S * MAX_OPTIONS
         o_st = o_cu + Bb + 1
         o_off = o_st + Bb
         o_soff = o_off + 2 * A * Bb
@@ -474,9 +421,12 @@ class BatchRunner:
         buf[o_pos : o_pos + t] = np.arange(t) + np.repeat([s - c + n for s, c, n in zip(starts, cu, lens)], lens)
         if slot_at:
             buf[o_slots:o_nopts][slot_at] = slot_x
-        buf[o_nopts:o_cu] = 2
+        opts = buf[o_nopts:o_cu].reshape(Bb * S, MAX_OPTIONS)
+        fill_options(opts, ())  # every slot padding (reads two letters), then the real slots' options
         if slot_at:
-            buf[o_nopts:o_cu][slot_at] = slot_k
+            real = np.empty((len(slot_k), MAX_OPTIONS), dtype=np.int64)
+            fill_options(real, slot_k)
+            opts[slot_at] = real
         buf[o_cu + 1 : o_cu + B + 1] = cu
         buf[o_cu + B + 1 : o_st] = t
         buf[o_st : o_st + B] = starts
@@ -523,40 +473,36 @@ class BatchRunner:
             t += pc.e - pc.s
         return host
 
-    def _capture(self, Bb: int, Tb: int, snaps: bool, asks: bool = False) -> _Graph | None:
+    def _capture(self, Bb: int, Tb: int, snaps: bool) -> _Graph | None:
         inp = torch.zeros(sum(self._sizes(Bb, Tb, snaps)), dtype=torch.long)
         g = self._views(inp.to(self.device), Bb, Tb, snaps)  # all sequences empty: the warm-up runs touch no slot
-        what = ", snapshots" if snaps else (", questions" if asks else "")
-        got = try_capture(lambda: self._forward(g, Bb, Tb, self._lmax(Tb), [], None, asks=asks), self.pool,
-                          self.stats, self.failures, f"batch ({Bb}, {Tb}{what})")
+        got = try_capture(lambda: self._forward(g, Bb, Tb, self._lmax(Tb), [], None), self.pool, self.stats,
+                          self.failures, f"batch ({Bb}, {Tb}{', snapshots' if snaps else ''})")
         if got is None:
             return None
         g.graph, g.out = got
         g.staging = Staging(g.inp)
         return g
 
-    def ensure(self, B: int, T: int, snaps: bool = False, asks: bool = False) -> tuple[int, int, bool]:
-        """The shape of B sequences of T tokens (keeping snapshots or not; a questions-only forward, `asks`), its
-        graph captured (graphs); NotBatched if there is none."""
+    def ensure(self, B: int, T: int, snaps: bool = False) -> tuple[int, int, bool]:
+        """The shape of B sequences of T tokens (keeping snapshots or not), its graph captured (graphs); NotBatched
+        if there is none."""
         key = self.shape(B, T, snaps)
         if key is None:
             raise NotBatched(f"{B} sequences of {T} tokens exceed the largest batch shape")
-        if self.use_graphs and self._graph(key, asks) is None:
-            raise NotBatched(f"batch graph {key}{' (questions)' if asks else ''} failed to capture")
+        if self.use_graphs and self._graph(key) is None:
+            raise NotBatched(f"batch graph {key} failed to capture")
         return key
 
-    def _graph(self, key: tuple[int, int, bool], asks: bool = False) -> _Graph | None:
-        """The graph of a (batch, tokens, snapshots) shape (`asks`: its questions-only graph, `ask_graphs`, keyed
-        without the snapshots flag), captured on first use; None if its capture failed."""
-        graphs, gkey = (self.ask_graphs, key[:2]) if asks else (self.graphs, key)
-        if gkey not in graphs:
-            graphs[gkey] = self._capture(*key, asks=asks)
-        return graphs[gkey]
+    def _graph(self, key: tuple[int, int, bool]) -> _Graph | None:
+        """The graph of a (batch, tokens, snapshots) shape, captured on first use; None if its capture failed."""
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(*key)
+        return self.graphs[key]
 
     def ensure_pieces(self, pieces: list["Piece"]) -> tuple[int, int, bool]:
         """`ensure` for the forward of these pieces (call before `load`: a capture overwrites the slots)."""
-        return self.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), any(pc.snaps for pc in pieces),
-                           self.asks(pieces))
+        return self.ensure(len(pieces), sum(pc.e - pc.s for pc in pieces), any(pc.snaps for pc in pieces))
 
     def load(self, pieces: list[Piece]) -> None:
         """Gather each piece's conv tails into batch slot b (call after `ensure`: capture overwrites), and with the
@@ -571,7 +517,7 @@ class BatchRunner:
 
     def forward(self, pieces: list[Piece]) -> torch.Tensor:
         """One packed forward of `pieces` from the states `load` put in their slots -> probabilities
-        [len(pieces), max_slots, n_letters] on the device (rows past a piece's slots are padding)."""
+        [len(pieces), max_slots, MAX_OPTIONS] on the device (rows past a piece's slots are padding)."""
         if not pieces:
             raise ValueError("no pieces")
         S_shape, S_dtype = self.st.S.shape[:1] + self.st.S.shape[2:], self.st.S.dtype
@@ -591,8 +537,7 @@ class BatchRunner:
                 raise NotBatched("a piece's GDN states must not be a view of the batch slots")
             lens.append(n)
         B, T, L = len(pieces), sum(lens), max(lens)
-        asks = self.asks(pieces)
-        key = self.ensure(B, T, any(pc.snaps for pc in pieces), asks)
+        key = self.ensure(B, T, any(pc.snaps for pc in pieces))
         Bb, Tb, snaps = key
         if not self.use_graphs:
             inp, snap_host = self._pack(pieces, Bb, Tb, snaps)
@@ -601,13 +546,17 @@ class BatchRunner:
             with torch.no_grad():
                 out = self._forward(g, Bb, Tb, L, [(pc.K, pc.V) for pc in pieces], lens + [0] * (Bb - B), snap_host)
         else:  # packed straight into the graph's staging copy
-            g = self._graph(key, asks)
-            self.stats["fla_forwards"] = self.stats.get("fla_forwards", 0) + asks
+            g = self._graph(key)
             self._send(g, lambda buf: self._pack(pieces, Bb, Tb, snaps, buf))
             self._count(B)
             g.graph.replay()
             out = g.out
         return out.view(Bb, self.max_slots, -1)[:B]
+
+    def rows_batched(self, cache, rows, log, found=None) -> list:
+        """`rows_batched` (below) with this runner: what StateCache.rows_batched calls (statecache.cache knows this
+        runner only as the object it was handed, and imports nothing of this module)."""
+        return rows_batched(cache, self, rows, log, found)
 
     def _count(self, B: int) -> None:
         self.stats["forwards"] += 1
@@ -651,18 +600,15 @@ class BatchRunner:
     def precapture(self, progress=sys.stderr) -> dict:
         """Capture every (batch, tokens) graph now, printing progress; returns the count and seconds spent."""
         t0 = time.perf_counter()
-        keys = [(key, False) for key in self.keys()] if self.use_graphs else []
-        if self.fla_from:  # the questions-only forwards' graphs
-            keys += [(key, True) for key, _ in keys
-                     if not key[2] and key[0] >= self.fla_from and key[1] <= key[0] * ASK_TOKENS]
-        for n, (key, asks) in enumerate(keys, 1):
-            self._graph(key, asks)
+        keys = self.keys() if self.use_graphs else []
+        for n, key in enumerate(keys, 1):
+            self._graph(key)
             if progress is not None:
                 print(f"\rbatch precapture {n}/{len(keys)} graphs ({time.perf_counter() - t0:.1f} s)", end="",
                       file=progress, flush=True)
         if progress is not None and keys:
             print(file=progress)
-        return {"graphs": sum(g is not None for g in (*self.graphs.values(), *self.ask_graphs.values())),
+        return {"graphs": sum(g is not None for g in self.graphs.values()),
                 "seconds": round(time.perf_counter() - t0, 2),
                 "failed": self.failures[:3]}
 
@@ -782,7 +728,7 @@ def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
                 r.newV[:, s : r.p].copy_(Vc[:, : r.p - s])
                 for pos, (conv, S) in zip(r.inside, runner.snapshot(pieces, b)):
                     r.snaps.append((pos, conv.clone(), S.clone(), None))
-            r.probs = [probs[b, j, :k].tolist() for j, k in enumerate(r.nopts)]
+            r.probs = [probs[b, j, : n_options(k)].tolist() for j, k in enumerate(r.nopts)]
     return []
 
 
@@ -793,8 +739,6 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
     route; its answer counts both runs' tokens), unless this call comes from inside a row's `between` hook (the chunk
     runner's buffers hold that row): then it comes back as None, for the caller to run later. found: per row None or
     (checkpoint, index version) of the caller's lookup of it (`_plan`)."""
-    from .cache import Answer
-
     if (runner.spec is None) != (cache.runner.spec is None):
         raise ValueError("the batch runner and the cache's chunk runner must share their specialists (or both have none)")
     out: list = [None] * len(rows)

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from .graphs import n_options
 from .index import Checkpoint, CheckpointIndex, plan_chunks
 from .runner import ChunkRunner
 
@@ -106,10 +107,11 @@ class StateCache:
     # ---- a row ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def row(self, ids, state_len: int, slots: list[int], nopts: list[int], images=None,
+    def row(self, ids, state_len: int, slots: list[int], nopts: list, images=None,
             known_route: int | None = None) -> Answer | None:
         """One eligible row (ids: a list of ints, as rows arrive, or an int64 array) -> its Answer, or None for the
-        plain path. images: the row's statecache.vision.RowImages, or None; the index knows an image row by its
+        plain path. nopts: per slot its options, a count (the model's first letters) or the option token ids
+        (statecache.graphs.fill_options). images: the row's statecache.vision.RowImages, or None; the index knows an image row by its
         key tokens (images.keys), not its ids. known_route (specialists): the route the row is known to take (a batched
         run's router has spoken), so it runs with it from the start instead of guessing.
 
@@ -154,7 +156,7 @@ class StateCache:
         if snaps:
             self._plant(keys, p, snaps, route)
         self.stats["evicted"] += len(self.index.evict())
-        return Answer([probs[j, : nopts[j]].tolist() for j in range(len(slots))], path, c0, computed,
+        return Answer([probs[j, : n_options(nopts[j])].tolist() for j in range(len(slots))], path, c0, computed,
                       route if spec is not None else None)
 
     def guess(self, best: Checkpoint | None) -> int:
@@ -263,9 +265,7 @@ class StateCache:
         of looking the row up again while the index's version is unchanged."""
         if self.batch is None or self.s.mb <= 0:
             return [None] * len(rows)
-        from .batch import rows_batched
-
-        return rows_batched(self, self.batch, rows, log, found)
+        return self.batch.rows_batched(self, rows, log, found)
 
     def clear(self) -> None:
         self.index.clear()

@@ -33,43 +33,42 @@ _LAYOUTS = {"qwen3_5_text": "causal", "qwen3_5": "conditional"}
 _TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json")
 
 
-def _kernels_can_run() -> bool:
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    try:
-        importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception:
-        return False
-    return True
+_bound_to_kernels: bool | None = None  # what hf_qwen3_5 imported that module with (None: not imported by it)
 
 
-def hf_qwen3_5(kernels: bool | None = None):
+def hf_qwen3_5(kernels: bool | None = False):
     """Import and return transformers' Qwen3.5 modelling module; every import of it in statecache goes through here.
 
-    transformers picks its GDN and conv implementations when that module is first imported: fla's Triton kernels
-    (and causal_conv1d) when they import, its own torch code otherwise. On a machine where they cannot run (no CUDA,
-    or fla without Triton), ``kernels=None`` hides them from the whole process (``sys.modules[name] = None``), so
-    transformers takes its torch paths. ``kernels=False`` hides them only while that module is imported (fla stays
-    importable for statecache's own GPU code) and so forces the pure torch reference; ``kernels=True`` leaves them.
-    The choice is made once per process: a module already imported is returned as it is.
+    transformers binds its GDN and conv implementations when that module is first imported: fla's Triton kernels
+    (and causal_conv1d) when they import, its own torch code otherwise; the choice holds for the whole process.
+    fla's kernels cannot read CPU tensors, so on a GPU host with fla installed a CPU forward through them fails.
+    - ``kernels=False`` (default; for forwards on CPU tensors: ``load_reference``, the specialists' router, the
+      tests' oracle): fla and causal_conv1d are hidden while that module is imported (``sys.modules[name] = None``,
+      restored after: statecache's own GPU code still imports fla), so transformers takes its torch code;
+    - ``kernels=True`` (for transformers on the GPU, the benchmarks' baseline): its kernels where they import;
+    - ``kernels=None`` (no GDN forward: building and saving a model, the vision tower): the module as imported,
+      else as for ``False``.
+    Asking for ``True`` or ``False`` after the module was imported the other way raises (it cannot be undone).
     """
+    global _bound_to_kernels
     module = sys.modules.get(_HF_MODELING)
     if module is not None:
+        if kernels is not None and _bound_to_kernels is not None and kernels != _bound_to_kernels:
+            raise RuntimeError(
+                f"transformers' Qwen3.5 code was imported {'with' if _bound_to_kernels else 'without'} fla's kernels "
+                f"in this process; hf_qwen3_5(kernels={kernels}) cannot change that (run it in a process of its own)")
         return module
-    if kernels is None:
-        if not _kernels_can_run():
-            for name in _KERNEL_PACKAGES:
-                sys.modules.setdefault(name, None)
-        return importlib.import_module(_HF_MODELING)
     if kernels:
-        return importlib.import_module(_HF_MODELING)
+        module = importlib.import_module(_HF_MODELING)
+        _bound_to_kernels = True
+        return module
     saved = {name: sys.modules[name] for name in _KERNEL_PACKAGES if name in sys.modules}
     try:
         for name in _KERNEL_PACKAGES:
             sys.modules[name] = None
-        return importlib.import_module(_HF_MODELING)
+        module = importlib.import_module(_HF_MODELING)
+        _bound_to_kernels = False
+        return module
     finally:
         for name in _KERNEL_PACKAGES:
             if name in saved:
@@ -126,7 +125,7 @@ def make_checkpoint(out_dir, *, layout: str = "causal", seed: int = 0, perturb: 
 
     if layout not in ("causal", "conditional"):
         raise ValueError(f"layout must be 'causal' or 'conditional', not {layout!r}")
-    hf = hf_qwen3_5()
+    hf = hf_qwen3_5(kernels=None)  # built and saved on the CPU, no forward
     from transformers import Qwen3_5Config, Qwen3_5TextConfig
 
     fields = copy.deepcopy(text_config)  # transformers fills rope_parameters in place
@@ -170,7 +169,8 @@ def checkpoint_layout(model_dir) -> str:
 
 
 def load_reference(model_dir):
-    """The checkpoint loaded by transformers' ``from_pretrained`` in its own layout, float32, in eval mode (CPU)."""
+    """The checkpoint loaded by transformers' ``from_pretrained`` in its own layout, float32, in eval mode (CPU),
+    through transformers' torch code (``hf_qwen3_5()``): it runs on CPU tensors."""
     import torch
 
     hf = hf_qwen3_5()

@@ -48,6 +48,7 @@ from .plain import PlainPath
 from .policy import ColdContext, ColdPolicy, PlantWhenItFits, load_policy
 from .rows import RowError, check_row, error_result
 from .runner import ChunkRunner
+from .text import answer_tokens
 from .specialists import load_specialists
 
 log = logging.getLogger("statecache.engine")
@@ -70,8 +71,7 @@ class Engine:
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
                  specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
-                 auto_budget: bool | None = None, between_layers: int = 4, plant_graphs: bool | None = None,
-                 plant_overlap: bool = False, batch_fla_from: int = 0):
+                 auto_budget: bool | None = None, between_layers: int = 4, plant_graphs: bool | None = None):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -91,7 +91,9 @@ class Engine:
         unk = self.tokenizer.unk_token_id
         if any(i is None or (unk is not None and i == unk) for i in ids):
             raise ValueError(f"the tokenizer in {self.model_dir} lacks single tokens for the letters A-Z")
-        self.letter_ids: list[int] = list(ids)
+        self.letter_ids: list[int] = list(ids)  # what a token row's `nopts` reads: the first letters, bare
+        # a text row's slots read the letters as the tokenizer writes them there (" A" after a cue): found once, checked
+        self.answer_tokens = answer_tokens(self.tokenizer)
         t0 = time.perf_counter()
         # specialists (a folder, statecache.specialists.folder): checked in full before the model's weights load
         self.specialists = None if specialists is None else load_specialists(
@@ -114,7 +116,7 @@ class Engine:
         self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks,
                                   specialists=self.specialists)
         self.cache = StateCache(self.runner, settings)
-        self.cache.batch = self._batch_runner(batch, max_pos, batch_fla_from) if batch > 0 else None
+        self.cache.batch = self._batch_runner(batch, max_pos) if batch > 0 else None
         self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
         if self.precapture_info is not None and self.cache.batch is not None:
             self.precapture_info["batch"] = self.cache.batch.precapture()
@@ -127,7 +129,7 @@ class Engine:
         # state to a position off the 64-token chunks (a cost to every new page): only a cache aligned to less needs it
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
                                specialists=self.specialists, between_layers=between_layers, plant_graphs=plant_graphs,
-                               plant_overlap=plant_overlap, plant_unaligned=self.cache.s.align % 64 != 0)
+                               plant_unaligned=self.cache.s.align % 64 != 0)
         if self.precapture_info is not None:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
             # short lone rows' graphs, and the planting graphs of every length a new state can have
@@ -220,13 +222,12 @@ class Engine:
         s = settings if settings is not None else Settings.from_env()
         args = dict(settings=s.cache_settings(), auto_budget=s.cache_mb is None, compile=s.compile, precapture=s.precapture,
                     cold_ok=load_policy(s.cold_ok), cache_fraction=s.cache_fraction, specialists=s.specialists,
-                    batch=s.batch, home=s.home, between_layers=s.between_layers, plant_overlap=s.plant_overlap,
-                    batch_fla_from=s.batch_fla_from)
+                    batch=s.batch, home=s.home, between_layers=s.between_layers)
         if s.max_row_tokens is not None:
             args["max_row_tokens"] = s.max_row_tokens
         return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
 
-    def _batch_runner(self, max_batch: int, max_pos: int, fla_from: int = 0):
+    def _batch_runner(self, max_batch: int, max_pos: int):
         """The batched-continuation runner (statecache.batch), or None when it cannot run here: CUDA graphs need its
         Triton kernels (fla's kernels object); eagerly (CPU) the torch loop serves. With specialists each sequence
         runs with its own route."""
@@ -235,7 +236,7 @@ class Engine:
         try:
             return BatchRunner(self.model, self.kernels, max_slots=self.runner.max_slots, max_batch=max_batch,
                                max_pos=max_pos, pool=self.runner.pool, graphs=self.runner.use_graphs,
-                               specialists=self.specialists, fla_from=fla_from)
+                               specialists=self.specialists)
         except Exception:  # noqa: BLE001 - rows then run one at a time
             log.exception("no batched continuations")
             return None
@@ -285,7 +286,8 @@ class Engine:
     def _prepare(self, i: int, raw):
         """One row checked (text rows tokenised, images decoded) -> (row, memo key), or its error result (a dict)."""
         try:
-            row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images, as_array=True)
+            row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images, as_array=True,
+                            answers=self.answer_tokens)
             if row.get("images"):
                 from .vision import RowImages
 
@@ -295,7 +297,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a row never takes the worker down
             log.exception("row %d could not be prepared", i)
             return self._error("bad_row", f"{type(e).__name__}: {e}")
-        key = row_key(row["ids"], row["slots"], row["nopts"])
+        key = row_key(row["ids"], row["slots"], row["options"])
         if "mm" in row:
             key = (key, row["mm"].digests)
         return row, key
@@ -400,6 +402,27 @@ class Engine:
     def _p(self, row) -> int:
         return self.cache.state_end(row["state_len"])
 
+    def state_key(self, raw) -> tuple | None:
+        """A raw row's state as the cache knows it, for routing (statecache.routing): (key tokens as an int64 array,
+        p = its aligned end, state_len), as `_groups` and the index see them; None for a row the cache does not take
+        (bad, not eligible) or one with images (their key tokens need the images decoded). Safe beside the engine's
+        thread: it reads only the vocabulary and the cache's settings, and tokenises with a copy of the tokenizer of its
+        own (a fast tokenizer's settings are not safe to share between threads)."""
+        if not isinstance(raw, dict) or raw.get("images"):
+            return None
+        if self.tokenizer is not None and getattr(self, "_route_tokenizer", None) is None:
+            import copy
+
+            self._route_tokenizer = copy.deepcopy(self.tokenizer)
+        try:
+            row = check_row(raw, self.vocab_size, self.max_row_tokens, getattr(self, "_route_tokenizer", None), None,
+                            as_array=True)
+        except Exception:  # noqa: BLE001 - the worker that takes it gives the error
+            return None
+        if not self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
+            return None
+        return row["ids"], self._p(row), row["state_len"]
+
     def _batched(self, items, results, found=None) -> list:
         """Rows (i, row, memo key) that continue from saved states, through one StateCache.rows_batched call (each
         distinct row once) -> the rows it left (for the cache one at a time). found: memo key -> (checkpoint, index
@@ -420,7 +443,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             answers = self.cache.rows_batched([(uniq[k][0]["ids"], uniq[k][0]["state_len"], uniq[k][0]["slots"],
-                                                uniq[k][0]["nopts"]) for k in todo],
+                                                uniq[k][0]["options"]) for k in todo],
                                               None if not found else [found.get(k) for k in todo])
         except Exception:  # noqa: BLE001 - the rows go one at a time instead
             log.exception("batched rows failed")
@@ -496,7 +519,7 @@ class Engine:
             if (hit := self._memo(key)) is not None:  # the same row twice in one batch
                 results[i] = hit
                 continue
-            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=row.get("mm"))
+            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["options"], images=row.get("mm"))
             if ans is None:
                 declined.append((i, row, key))
                 continue
@@ -526,7 +549,7 @@ class Engine:
         if not unique:
             return []
         entries = list(unique.items())
-        rows = [(r["ids"], r["slots"], r["nopts"], r.get("mm")) for _, (r, _, _) in entries]
+        rows = [(r["ids"], r["slots"], r["options"], r.get("mm")) for _, (r, _, _) in entries]
         plans = [self.cache.plan(r["state_len"]) if plant else None for _, (r, _, plant) in entries]
         left: list = []
         for fwd in self.plain.forwards(rows, plans):

@@ -312,24 +312,3 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         num_warps=num_warps,
     )
     return o
-
-
-@triton.jit
-def _gather_states_kernel(s_ptr, off_ptr, n, ss_b, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < n
-    dst = s_ptr + b * ss_b + idx
-    src = dst + tl.load(off_ptr + b)
-    tl.store(dst, tl.load(src, mask=ok, other=0.0), mask=ok)
-
-
-def gather_states(S: torch.Tensor, src_off: torch.Tensor, block: int = 4096) -> None:
-    """S [B, Hv, Dk, Dv] float32 (each slot contiguous), src_off [B] long (device): slot b takes the state at element
-    offset src_off[b] from S[b] (`delta_batch`'s sources: a checkpoint's own tensor, anywhere in memory; 0: the slot
-    itself). For kernels that want the states side by side (fla's chained delta rule, statecache.batch). A source must
-    not overlap another slot. Graph-safe: the offsets stay on the device."""
-    B = S.shape[0]
-    n = S[0].numel()
-    assert S.dtype == torch.float32 and S[0].is_contiguous() and src_off.shape == (B,)
-    _gather_states_kernel[(B, triton.cdiv(n, block))](S, src_off, n, S.stride(0), BLOCK=block)

@@ -76,24 +76,52 @@ def try_capture(fn, pool, stats: dict, failures: list[str], what: str):
         stats["capture_s"] += time.perf_counter() - t0
 
 
-def fill_inputs(buf: np.ndarray, L: int, S: int, ids=(), slots=(), nopts=(), scalars=()) -> None:
-    """Write a graph's inputs into buf [L + 2 * S + len(scalars)] (int64): ids zero-padded to L | slots | option
-    counts (2 past the real slots) | scalars (the chunk runner's start, real length, route and rotary shift; the
-    plain path's real length). ids: a list or an int64 numpy array."""
+MAX_OPTIONS = 26  # option tokens a slot may read (the letters A..Z; statecache.rows checks rows against it)
+
+
+def n_options(spec) -> int:
+    """How many options a slot spec (an option count, or a sequence of option token ids) has."""
+    return int(spec) if isinstance(spec, (int, np.integer)) else len(spec)
+
+
+def fill_options(out: np.ndarray, options) -> None:
+    """Write slots' option specs into out [S, MAX_OPTIONS] (int64), what Qwen35.option_probs reads on the device: a
+    count k reads the model's first k letters (written -2 - j for letter j, so the host need not know their ids), a
+    sequence its own token ids; -1 past a slot's options; slots past len(options) read two (no NaN in padding)."""
+    out[:] = -1
+    out[len(options):, :2] = (-2, -3)
+    for j, spec in enumerate(options):
+        if isinstance(spec, (int, np.integer)):
+            out[j, :spec] = _LETTER_CODES[:spec]
+        else:
+            out[j, : len(spec)] = spec
+
+
+_LETTER_CODES = -2 - np.arange(MAX_OPTIONS)
+
+
+def input_size(L: int, S: int, n_scalars: int) -> int:
+    """The length of fill_inputs' buffer: ids | slots | options | scalars."""
+    return L + S + S * MAX_OPTIONS + n_scalars
+
+
+def fill_inputs(buf: np.ndarray, L: int, S: int, ids=(), slots=(), options=(), scalars=()) -> None:
+    """Write a graph's inputs into buf [input_size(L, S, len(scalars))] (int64): ids zero-padded to L | slots |
+    options [S, MAX_OPTIONS] (fill_options; one spec per real slot) | scalars (the chunk runner's start, real length,
+    route and rotary shift; the plain path's real length). ids: a list or an int64 numpy array."""
     n = len(ids)
     buf[:n] = ids
     buf[n:L] = 0
     buf[L : L + S] = 0
     buf[L : L + len(slots)] = slots
-    buf[L + S : L + 2 * S] = 2
-    buf[L + S : L + S + len(nopts)] = nopts
-    buf[L + 2 * S :] = scalars
+    fill_options(buf[L + S : L + S + S * MAX_OPTIONS].reshape(S, MAX_OPTIONS), options)
+    buf[L + S + S * MAX_OPTIONS :] = scalars
 
 
-def pack_inputs(L: int, S: int, ids=(), slots=(), nopts=(), scalars=()) -> torch.Tensor:
-    """fill_inputs into a new host tensor [L + 2 * S + len(scalars)] (long)."""
-    inp = torch.empty(L + 2 * S + len(scalars), dtype=torch.long)
-    fill_inputs(inp.numpy(), L, S, ids, slots, nopts, scalars)
+def pack_inputs(L: int, S: int, ids=(), slots=(), options=(), scalars=()) -> torch.Tensor:
+    """fill_inputs into a new host tensor [input_size(L, S, len(scalars))] (long)."""
+    inp = torch.empty(input_size(L, S, len(scalars)), dtype=torch.long)
+    fill_inputs(inp.numpy(), L, S, ids, slots, options, scalars)
     return inp
 
 
@@ -111,10 +139,10 @@ class Staging:
         if self.sent is not None:
             self.sent.record()
 
-    def send(self, L: int, S: int, ids=(), slots=(), nopts=(), scalars=()) -> None:
+    def send(self, L: int, S: int, ids=(), slots=(), options=(), scalars=()) -> None:
         if self.sent is not None:
             self.sent.synchronize()
-        fill_inputs(self.np, L, S, ids, slots, nopts, scalars)
+        fill_inputs(self.np, L, S, ids, slots, options, scalars)
         self.dev.copy_(self.host, non_blocking=self.sent is not None)
         if self.sent is not None:
             self.sent.record()

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .rows import RowError
+from .contract import RowError
 
 PLACEHOLDER = "<|image|>"
 MAX_IMAGES = 16  # per row

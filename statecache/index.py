@@ -100,6 +100,9 @@ class CheckpointIndex:
         self._buckets: dict[tuple[int, int], list[Checkpoint]] = {}  # (pos, fingerprint of ids[:pos]) -> candidates
         self._pos_count: dict[int, int] = {}  # live checkpoints per position
         self._positions: list[int] = []  # sorted keys of _pos_count
+        # observer(event, checkpoint), event plant | hit | evict: told of every checkpoint added, touched or dropped
+        # (the worker advertises what it holds: statecache.routing.FingerprintLedger); None: nobody listens
+        self.observer = None
 
     # ---- reading ---------------------------------------------------------------------------------------------------
 
@@ -176,6 +179,8 @@ class CheckpointIndex:
         if n == 0:
             bisect.insort(self._positions, pos)
         self._pos_count[pos] = n + 1
+        if self.observer is not None:
+            self.observer("plant", c)
         if old is not None:  # after adding, so a group replacing its own checkpoint is never emptied
             self._drop(old)
         return c
@@ -186,6 +191,8 @@ class CheckpointIndex:
             self.version += 1  # recency decides between checkpoints of other routes at one depth
             self._lru.move_to_end(ckpt)
             self._stamp(ckpt)
+            if self.observer is not None:
+                self.observer("hit", ckpt)
 
     def evict(self) -> list[Checkpoint]:
         """Drop groups without checkpoints, then least recently used checkpoints until ``bytes <= budget_bytes``
@@ -202,6 +209,9 @@ class CheckpointIndex:
     def clear(self) -> None:
         """Forget everything (groups and checkpoints become not live)."""
         self.version += 1
+        if self.observer is not None:
+            for c in self._lru:
+                self.observer("evict", c)
         self._groups.clear()
         self._lru.clear()
         self._buckets.clear()
@@ -227,6 +237,8 @@ class CheckpointIndex:
 
     def _drop(self, c: Checkpoint) -> None:
         self.version += 1
+        if self.observer is not None:
+            self.observer("evict", c)
         del self._lru[c]
         key = (c.pos, self._fingerprint(c.group.tokens, c.pos))
         bucket = self._buckets[key]

@@ -294,28 +294,6 @@ class FlaKernels(TorchKernels):
                          use_qk_l2norm_in_kernel=True, **self._fla_varlen(cu))
         return o, S
 
-    def delta_packed(self, q, k, v, g, beta, init, cu, chunk_indices):
-        """fla's chained delta rule over packed sequences (q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv]; cu
-        [B + 1] long on the device), each from its own state in init [B, Hv, Dk, Dv] float32 (read, not written: no
-        final states), with the 64-token chunk indices given (statecache.batch.fla_chunks), so nothing is read on the
-        host: graph-safe -> o [T, Hv, Dv] (rows of no sequence unset).
-
-        fla memoises what it derives from `cu` (its chunk offsets) by the tensor's identity; a graph's `cu` is one
-        tensor whose values change between replays, so a result memoised in the warm-up before the capture would be
-        replayed stale. The memo is switched off for this call (fla.utils.FLA_DISABLE_TENSOR_CACHE, read at each call):
-        what fla derives from `cu` is computed, and captured, every time."""
-        import fla.utils as fla_utils
-
-        was = getattr(fla_utils, "FLA_DISABLE_TENSOR_CACHE", False)
-        fla_utils.FLA_DISABLE_TENSOR_CACHE = True
-        try:
-            o, _ = self._gdr(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=init,
-                             output_final_state=False, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                             chunk_indices=chunk_indices)
-        finally:
-            fla_utils.FLA_DISABLE_TENSOR_CACHE = was
-        return o[0]
-
     def delta_states(self, q, k, v, g, beta, at):
         """fla's chunked delta rule (the forward of `chunk_gated_delta_rule` with the in-kernel L2 norm), composed
         from its own steps so that the per-chunk states h it computes anyway come out: states = h[at] in float32

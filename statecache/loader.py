@@ -4,7 +4,7 @@ Reads `config.json` (statecache.config), single or sharded safetensors (with `mo
 and only the text model's weights: vision (`model.visual.*`, which statecache.vision loads into transformers'
 own vision module) and multi-token-prediction (`mtp.*`) weights are never read here. Each tensor goes straight from the file to the device, cast there, so no float32 copy of the model
 sits in host memory. Projections are fused at load: a GDN layer's in_proj_qkv/z/b/a into one matrix, attention's
-q/k/v into one, the MLP's gate/up into one. The output head keeps only the rows of the option letters.
+q/k/v into one, the MLP's gate/up into one. The output head is kept whole (the embedding when tied): each slot gathers the rows of its own option tokens.
 Knows nothing of rows, caches or kernels.
 """
 
@@ -54,7 +54,8 @@ class Weights:
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [H] float32, 1 + w
-    letter_w: torch.Tensor  # [n_letters, H]: output-head rows of the option letters
+    head_w: torch.Tensor  # [V, H]: the output head (the embedding itself when tied); answers gather the asked rows
+    letter_ids: torch.Tensor  # [n_letters] long: the option letters' ids (what a slot's option count reads)
 
 
 class CheckpointError(ValueError):
@@ -192,6 +193,5 @@ def _build(cfg: TextConfig, files: _Source, letter_ids: list[int], dtype: torch.
     else:
         head = files.get(head_name, dtype)
     letters = torch.as_tensor(letter_ids, dtype=torch.long, device=device)
-    letter_w = head.index_select(0, letters).contiguous()
-    del head
-    return Weights(cfg=cfg, embed=embed, layers=layers, final_norm=zc(pre + "norm.weight"), letter_w=letter_w)
+    return Weights(cfg=cfg, embed=embed, layers=layers, final_norm=zc(pre + "norm.weight"), head_w=head,
+                   letter_ids=letters)

@@ -1,6 +1,6 @@
 """A bounded LRU memo of results for exactly repeated rows, answered before anything runs.
 
-The key is the row's full tokens (as int64 bytes), slots and option counts (``row_key``), so a hit is exact: equal keys mean an
+The key is the row's full tokens (as int64 bytes), slots and options (``row_key``), so a hit is exact: equal keys mean an
 equal row. Values are plain result dicts; the memo stores a deep copy and hands out a deep copy, so callers may
 mutate what they get (e.g. set ``path="memo"``) or what they put.
 
@@ -20,11 +20,12 @@ import numpy as np
 RowKey = tuple[object, tuple[int, ...], tuple[int, ...]]
 
 
-def row_key(ids: Iterable[int], slots: Iterable[int], nopts: Iterable[int]) -> RowKey:
+def row_key(ids: Iterable[int], slots: Iterable[int], options: Iterable) -> RowKey:
     """An exact, hashable key of a row: its tokens as the bytes of an int64 array (hashed once, compared with
-    memcmp: a 4k-token key costs microseconds to look up), its answer slots and option counts as tuples of
-    Python ints. A list and a numpy array of the same tokens give the same key; floats are refused."""
-    return _id_bytes(ids), _ints(slots), _ints(nopts)
+    memcmp: a 4k-token key costs microseconds to look up), its answer slots as a tuple of Python ints and its
+    options per slot (an option count, or a tuple of option token ids: rows that differ only in their options are
+    different rows). A list and a numpy array of the same tokens give the same key; floats are refused."""
+    return _id_bytes(ids), _ints(slots), tuple(_spec(x) for x in options)
 
 
 def _id_bytes(ids: Iterable[int]) -> object:
@@ -43,6 +44,13 @@ def _ints(xs: Iterable[int]) -> tuple[int, ...]:
             raise TypeError(f"expected integers, got {xs.dtype}")
         return tuple(xs.tolist())
     return tuple(map(operator.index, xs))
+
+
+def _spec(x) -> int | tuple[int, ...]:
+    """One slot's options: a count stays an int, token ids become a tuple (never equal to a count)."""
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return _ints(x)
+    return operator.index(x)
 
 
 _IMMUTABLE = (str, int, float, bool, type(None), bytes)

@@ -1,10 +1,10 @@
-"""The Qwen3.5 text forward over fused weights: embedding, decoder layers, final norm and the letter head.
+"""The Qwen3.5 text forward over fused weights: embedding, decoder layers, final norm and the option head.
 
 A layer's token mixer (GDN or gated attention) does its projections, norms, gates and rotary embedding here, and
 hands the parts that carry state across tokens (the short conv, the delta rule, attention over keys) to a *mixer*
 (statecache.mixers): the plain packed batch, or a chunk continuing from saved state. So one forward serves the
 plain path, the cached chunked path and, later, batched hits. Logits are computed only at the answer slots and only
-for the option letters. This module knows nothing of checkpoints, graphs, rows or devices beyond its weights'.
+for each slot's option tokens (the output head's rows gathered per slot). This module knows nothing of checkpoints, graphs, rows or devices beyond its weights'.
 """
 
 from __future__ import annotations
@@ -195,8 +195,13 @@ class Qwen35:
                 after(i)
         return h
 
-    def letter_probs(self, h: torch.Tensor, nopts: torch.Tensor) -> torch.Tensor:
-        """h [S, H] at the answer slots, nopts [S] -> probabilities [S, n_letters] (zero past each slot's nopts)."""
-        logits = (self.norm(h, self.w.final_norm, self.eps).to(self.dtype) @ self.w.letter_w.T).float()  # [S, n_letters]
-        cols = torch.arange(logits.shape[1], device=logits.device)
-        return torch.softmax(logits.masked_fill(cols[None] >= nopts[:, None], float("-inf")), -1)
+    def option_probs(self, h: torch.Tensor, options: torch.Tensor) -> torch.Tensor:
+        """h [S, H] at the answer slots, options [S, K] long (statecache.graphs.fill_inputs: a token id, -2 - j for the
+        j-th option letter, -1 past the slot's options) -> probabilities [S, K] over each slot's option tokens (zero
+        past them). Gathers the K asked rows of the output head per slot: no full-vocabulary matmul."""
+        letter = options <= -2
+        tok = torch.where(letter, self.w.letter_ids[(-2 - options).clamp(0, self.w.letter_ids.numel() - 1)], options)
+        w = self.w.head_w.index_select(0, tok.clamp(min=0).flatten()).view(*options.shape, -1)  # [S, K, H]
+        x = self.norm(h, self.w.final_norm, self.eps).to(self.dtype)  # [S, H]
+        logits = torch.bmm(w, x[:, :, None]).squeeze(-1).float()  # [S, K]
+        return torch.softmax(logits.masked_fill(options == -1, float("-inf")), -1)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .graphs import new_stats, pack_inputs, try_capture
+from .graphs import MAX_OPTIONS, fill_options, n_options, new_stats, pack_inputs, try_capture
 from .index import as_ids
 from .mixers import PackedMixer
 from .plant import Planted, PlantGraph, PlantMixer
@@ -41,8 +41,8 @@ SLOT_BUCKETS = (4, 16, 64)  # answer slots a single-row graph has room for
 
 @dataclass
 class _Graph:
-    inp: torch.Tensor  # [T + 2 * S + 1] long: ids | slots | nopts | real length
-    out: torch.Tensor | None  # [S, n_letters] float32
+    inp: torch.Tensor  # [input_size(T, S, 1)] long: ids | slots | options | real length (statecache.graphs)
+    out: torch.Tensor | None  # [S, MAX_OPTIONS] float32
     route: torch.Tensor  # [1] long: the row's specialists route (each replay rewrites it)
     graph: "torch.cuda.CUDAGraph | None"
 
@@ -51,7 +51,7 @@ class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
                  bucket: int = 64, max_graph_tokens: int = 8192, pool=None, specialists=None,
                  plant_graphs: bool | None = None, between_layers: int = 4, plant_bucket: int = 128,
-                 plant_overlap: bool = False, plant_unaligned: bool = False):
+                 plant_unaligned: bool = False):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.spec = specialists  # statecache.specialists.Specialists | None
         if specialists is not None:  # fold the adapters into the weights now, before any graph is captured
@@ -79,7 +79,7 @@ class PlainPath:
             own_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
             self.planter = PlantGraph(model, kernels, own_pool, max_graph_tokens, self.stats, self.failures,
                                       bucket=plant_bucket, every=between_layers, graphs=self.use_graphs,
-                                      overlap=plant_overlap, unaligned=plant_unaligned)
+                                      unaligned=plant_unaligned)
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices of rows packed greedily into forwards of at most max_tokens tokens (a longer row goes alone)."""
@@ -107,8 +107,8 @@ class PlainPath:
         return [[i] for i in alone] + [[rest[j] for j in b] for b in self.batches([len(rows[i][0]) for i in rest])]
 
     def forward(self, rows: list[tuple]) -> list[list[list[float]]]:
-        """rows: (ids, slots, nopts) or (ids, slots, nopts, images) each -> per row, per slot, the option
-        probabilities. images: None or the row's statecache.vision.RowImages."""
+        """rows: (ids, slots, options) or (ids, slots, options, images) each -> per row, per slot, the option
+        probabilities. options: per slot an option count (the first letters) or its option token ids. images: None or the row's statecache.vision.RowImages."""
         return [probs for probs, _ in self.answer(rows)]
 
     def answer(self, rows: list[tuple]) -> list[tuple[list[list[float]], int | None]]:
@@ -119,7 +119,7 @@ class PlainPath:
     @torch.no_grad()
     def run(self, rows: list[tuple], plans: list[list[int] | None] | None = None, between=None
             ) -> tuple[list[tuple[list[list[float]], int | None]], list[Planted | None]]:
-        """rows: (ids, slots, nopts) or (ids, slots, nopts, images) each; plans: per row its checkpoint positions
+        """rows: (ids, slots, options) or (ids, slots, options, images) each; plans: per row its checkpoint positions
         (ascending, in (0, len(ids)]) or None -> (per row (per slot the option probabilities, its route or None); per
         row its Planted, None where its plan was). Planting is trunk only: with specialists, plans must all be None.
         between: called every few layers of a packed forward, and between the pieces of a planting graph (chunked
@@ -171,7 +171,9 @@ class PlainPath:
                         vals.append(e[1])
             embeds = (torch.cat(idx).to(dev), torch.cat(vals)) if idx else None
         slot_idx = torch.tensor([starts[k] + s for k, i in enumerate(batch) for s in rows[i][1]], dtype=torch.long)
-        nopts = torch.tensor([o for i in batch for o in rows[i][2]], dtype=torch.long)
+        specs = [o for i in batch for o in rows[i][2]]
+        options = np.empty((len(specs), MAX_OPTIONS), dtype=np.int64)
+        fill_options(options, specs)
         cu = torch.tensor(starts, dtype=torch.int32, device=dev)
         if plans is not None and any(plans[i] is not None for i in batch):
             cfg = self.model.cfg
@@ -186,12 +188,12 @@ class PlainPath:
             seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
             lora = RoutedRows(self.spec.lora, self.spec.router, seq, None, len(lens))
         h = self.model.body(ids.to(dev), pos.to(dev), mix, lora, embeds=embeds)  # [T, H]
-        probs = self.model.letter_probs(h.index_select(0, slot_idx.to(dev)), nopts.to(dev)).float().cpu()
+        probs = self.model.option_probs(h.index_select(0, slot_idx.to(dev)), torch.from_numpy(options).to(dev)).float().cpu()
         routes = lora.routes.tolist() if lora is not None else [None] * len(batch)
         j = 0
         for k_row, i in enumerate(batch):
             slots, no = rows[i][1], rows[i][2]
-            results[i] = ([probs[j + k, : no[k]].tolist() for k in range(len(slots))], routes[k_row])
+            results[i] = ([probs[j + k, : n_options(no[k])].tolist() for k in range(len(slots))], routes[k_row])
             j += len(slots)
         if isinstance(mix, PlantMixer):
             for i, pl in zip(batch, mix.planted):
@@ -208,7 +210,7 @@ class PlainPath:
         return T, S
 
     def _run(self, inp: torch.Tensor, T: int, S: int, route: torch.Tensor) -> torch.Tensor:
-        ids, slots, nopts, real = torch.split(inp, [T, S, S, 1])
+        ids, slots, options, real = torch.split(inp, [T, S, S * MAX_OPTIONS, 1])
         dev = inp.device
         cu = torch.arange(0, 2 * T, T, dtype=torch.int32, device=dev)  # [0, T], made on the device (graph-safe)
         lora = None
@@ -218,7 +220,7 @@ class PlainPath:
         h = self.model.body(ids, torch.arange(T, device=dev), PackedMixer(self.kernels, cu, T), lora)  # [T, H]
         if lora is not None:
             route.copy_(lora.routes)
-        return self.model.letter_probs(h.index_select(0, slots), nopts)  # [S, n_letters]
+        return self.model.option_probs(h.index_select(0, slots), options.view(S, MAX_OPTIONS))  # [S, MAX_OPTIONS]
 
     def _capture(self, T: int, S: int) -> _Graph | None:
         """The shape's graph; None when it fails to capture (rows of this shape then run packed)."""
@@ -247,12 +249,12 @@ class PlainPath:
             info["planting"] = self.planter.precapture(plant_from, slot_buckets[0])
         return info
 
-    def _single(self, ids, slots, nopts) -> tuple[list[list[float]], int | None] | None:
+    def _single(self, ids, slots, options) -> tuple[list[list[float]], int | None] | None:
         key = self.shape(len(ids), len(slots))
         if key is None:
             return None
         T, S = key
-        inp = pack_inputs(T, S, ids, slots, nopts, (len(ids),))
+        inp = pack_inputs(T, S, ids, slots, options, (len(ids),))
         if self.use_graphs:
             if key not in self.graphs:
                 if not self.capture_on_demand:  # serving: no capture stalls; the row runs packed (eagerly)
@@ -270,7 +272,7 @@ class PlainPath:
             route = torch.zeros(1, dtype=torch.long, device=self.model.device)
             out = self._run(inp.to(self.model.device), T, S, route)
         probs = out[: len(slots)].float().cpu()
-        return [probs[k, : nopts[k]].tolist() for k in range(len(slots))], (int(route) if self.spec is not None else None)
+        return [probs[k, : n_options(options[k])].tolist() for k in range(len(slots))], (int(route) if self.spec is not None else None)
 
 
 def _images(row: tuple):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .graphs import fill_inputs, side_stream, wait_for_gpu
+from .graphs import MAX_OPTIONS, fill_inputs, input_size, n_options, side_stream, wait_for_gpu
 from .mixers import PackedMixer
 
 
@@ -204,11 +204,11 @@ CHUNK = 64  # the delta rule's chunk: states at multiples of this come from the 
 
 @dataclass
 class _Pieces:
-    inp: torch.Tensor  # [T + 2 * S] long: ids | slots | nopts (statecache.graphs.fill_inputs)
+    inp: torch.Tensor  # [input_size(T, S, 0)] long: ids | slots | options (statecache.graphs.fill_inputs)
     idx: torch.Tensor  # [M * (W - 1) + M + CHUNK + 1] long: conv-tail positions | chunk per slot | the last slot's
     # chunk tokens | how many of them count (0 unless it holds an unaligned checkpoint; see PlantGraph.layout). The
     # same layout with `unaligned` off, whose forward never reads the last two parts
-    out: torch.Tensor | None = None  # [S, n_letters]
+    out: torch.Tensor | None = None  # [S, MAX_OPTIONS]
     graphs: list = field(default_factory=list)  # one per piece of layers (cut every `every` layers)
 
 
@@ -277,8 +277,7 @@ class PlantGraph:
     graphs=False runs the same forward eagerly (the CPU tests' form; `between` then runs between the pieces too)."""
 
     def __init__(self, model, kernels, pool, max_tokens: int, stats: dict, failures: list[str], *, bucket: int = 128,
-                 fine_tokens: int = 4608, every: int = 4, graphs: bool = True, overlap: bool = False,
-                 unaligned: bool = False):
+                 fine_tokens: int = 4608, every: int = 4, graphs: bool = True, unaligned: bool = False):
         self.model, self.kernels, self.pool = model, kernels, pool
         self.unaligned = unaligned  # the graphs advance the last slot to an unaligned position (the caller decides)
         self.bucket, self.max_tokens, self.every = bucket, max_tokens - max_tokens % bucket, every
@@ -290,11 +289,9 @@ class PlantGraph:
         self.W1 = model.cfg.linear_conv_kernel_dim - 1
         self.graphs: dict[tuple[int, int], _Pieces | None] = {}
         self._bufs: dict | None = None
-        # the planter's own stream: every capture records on it (so its graphs have a cuBLAS workspace of their own),
-        # and with overlap the pieces replay on it while `between` runs on the caller's (`_replay_overlapped`); off:
-        # a stop runs after the piece before it, on the caller's stream
+        # the planter's own stream: every capture records on it (so its graphs have a cuBLAS workspace of their own);
+        # the pieces replay on the caller's stream, a stop after the piece before it
         self._stream = torch.cuda.Stream(device=model.device) if graphs and model.device.type == "cuda" else None
-        self.overlap = overlap
 
     def bufs(self) -> dict:
         """The static buffers, shared by every shape (allocated on first use, sized for max_tokens)."""
@@ -340,18 +337,18 @@ class PlantGraph:
         return conv + chunk + adv + [at_slot[-1] - a], [slot[c] for c in plan]
 
     def _forward(self, p: _Pieces, T: int, S: int, cut) -> torch.Tensor:
-        ids, slots, nopts = torch.split(p.inp, [T, S, S])
+        ids, slots, options = torch.split(p.inp, [T, S, S * MAX_OPTIONS])
         dev = p.inp.device
         cu = torch.arange(0, 2 * T, T, dtype=torch.int32, device=dev)
         mix = _GraphPlantMixer(self.kernels, cu, T, self.bufs(), p.idx, self.W1, len(self.model.w.layers),
                                self.every, cut, self.unaligned)
         h = self.model.body(ids, torch.arange(T, device=dev), mix)
-        return self.model.letter_probs(h.index_select(0, slots), nopts)
+        return self.model.option_probs(h.index_select(0, slots), options.view(S, MAX_OPTIONS))
 
     def _new(self, T: int, S: int) -> _Pieces:
         dev = self.model.device
         n_idx = SNAP_SLOTS * self.W1 + SNAP_SLOTS + CHUNK + 1
-        p = _Pieces(inp=torch.zeros(T + 2 * S, dtype=torch.long, device=dev),
+        p = _Pieces(inp=torch.zeros(input_size(T, S, 0), dtype=torch.long, device=dev),
                     idx=torch.zeros(n_idx, dtype=torch.long, device=dev))
         p.idx[SNAP_SLOTS * self.W1 + SNAP_SLOTS :][:CHUNK].copy_(torch.arange(CHUNK))  # a valid warm-up layout
         return p
@@ -448,38 +445,11 @@ class PlantGraph:
         lay = self.layout(plan, key[0])
         return None if lay is None else (key, lay)
 
-    def _replay_overlapped(self, graphs, between) -> None:
-        """The pieces on a stream of their own, `between` on the caller's stream while they run: a stop's short work
-        (a batched forward, memory-bound) runs beside the piece (compute-bound) instead of after it, and its own
-        synchronisation waits for its own work only. The next piece is always queued before a stop starts, so the
-        planting stream does not idle while the stop runs; each stop waits (on the host) for the piece before the
-        running one to end, which spaces the stops as far apart as the pieces. The pieces read only their inputs
-        (written on the caller's stream before they start) and the weights, and write only the planter's static
-        buffers and its own graph pool (captured on the planter's own stream: its own cuBLAS workspace), so nothing
-        a stop reads or writes is touched; the caller's stream waits for the last piece before anything reads them."""
-        main = torch.cuda.current_stream()
-        run = self._stream
-        run.wait_stream(main)  # the inputs copied on the caller's stream
-        ends: list = []
-        try:
-            for k, g in enumerate(graphs):
-                with torch.cuda.stream(run):
-                    g.replay()
-                ends.append(torch.cuda.Event())
-                ends[-1].record(run)
-                if k == 0:
-                    continue
-                if k >= 2:
-                    ends[k - 2].synchronize()  # piece k - 1 is running now, piece k queued behind it
-                between()
-        finally:
-            main.wait_stream(run)
-
     def can(self, n: int, n_slots: int, plan: list[int], slot_buckets) -> bool:
         """Would `run` take this row?"""
         return self._fit(n, n_slots, plan, slot_buckets) is not None
 
-    def run(self, ids, slots, nopts, plan: list[int], slot_buckets, between=None):
+    def run(self, ids, slots, options, plan: list[int], slot_buckets, between=None):
         """-> (probs per slot, Planted), or None when the row cannot run here (see `can`). Never captures: a shape
         without a graph gives None."""
         plan = _check_plan(plan, len(ids))
@@ -488,16 +458,13 @@ class PlantGraph:
             return None
         (T, S), (idx, slot_of) = fit
         p = self._new(T, S) if not self.use_graphs else self.graphs[(T, S)]
-        host = torch.empty(T + 2 * S, dtype=torch.long)
-        fill_inputs(host.numpy(), T, S, ids, slots, nopts)
+        host = torch.empty(input_size(T, S, 0), dtype=torch.long)
+        fill_inputs(host.numpy(), T, S, ids, slots, options)
         p.inp.copy_(host)
         p.idx.copy_(torch.tensor(idx, dtype=torch.long))
         if not self.use_graphs:
             with torch.no_grad():
                 out = self._forward(p, T, S, lambda i: between() if between is not None else None)
-        elif self.overlap and between is not None:
-            self._replay_overlapped(p.graphs, between)
-            out = p.out
         else:
             for k, g in enumerate(p.graphs):
                 g.replay()
@@ -512,4 +479,4 @@ class PlantGraph:
         if out.device.type == "cuda":
             wait_for_gpu(self.stats)
         probs = out[: len(slots)].float().cpu()
-        return [probs[k, : nopts[k]].tolist() for k in range(len(slots))], pl
+        return [probs[k, : n_options(options[k])].tolist() for k in range(len(slots))], pl

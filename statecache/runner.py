@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .graphs import Staging, new_stats, pack_inputs, try_capture, wait_for_gpu
+from .graphs import MAX_OPTIONS, Staging, new_stats, pack_inputs, try_capture, wait_for_gpu
 from .mixers import ChunkMixer, ChunkState
 from .specialists.lora import FixedRoute
 
@@ -37,15 +37,15 @@ def bucket(n: int, sizes) -> int | None:
 
 @dataclass
 class _Graph:
-    inp: torch.Tensor  # [L + 2 * max_slots + 4] long: ids | slots | nopts | start | real | route | shift; one copy a run
+    inp: torch.Tensor  # [input_size(L, max_slots, 4)] long: ids | slots | options | start | real | route | shift; one copy a run
     ids: torch.Tensor  # [L] long
     slots: torch.Tensor  # [max_slots] long, relative to the chunk start
-    nopts: torch.Tensor  # [max_slots] long
+    options: torch.Tensor  # [max_slots, MAX_OPTIONS] long (statecache.graphs.fill_options)
     start: torch.Tensor  # long scalar: the chunk's first position
     real: torch.Tensor  # long scalar: its real (unpadded) length
     route: torch.Tensor  # long [1]: the specialists route the adapter layers run with (0: the trunk)
     shift: torch.Tensor  # long scalar: rotary position - index of the chunk's tokens (image rows; else 0)
-    out: torch.Tensor  # [max_slots, n_letters] float32 probabilities
+    out: torch.Tensor  # [max_slots, MAX_OPTIONS] float32 probabilities
     graph: "torch.cuda.CUDAGraph | None"
     staging: Staging | None = None  # the pinned host side of inp (graphs only)
 
@@ -119,13 +119,13 @@ class ChunkRunner:
             h = self.model.body(g.ids, mm[0], mix, lora, embeds=mm[1])
         if lora is not None:
             self.fsum.copy_((lora.f * mix.live[:, None]).sum(0))
-        return self.model.letter_probs(h.index_select(0, g.slots), g.nopts)  # [max_slots, n_letters]
+        return self.model.option_probs(h.index_select(0, g.slots), g.options)  # [max_slots, MAX_OPTIONS]
 
     def _buffers(self, inp: torch.Tensor, L: int) -> _Graph:
         """The graph's views of its input buffer inp (see pack_inputs; on the device)."""
         S = self.max_slots
-        ids, slots, nopts, scalars = torch.split(inp, [L, S, S, 4])
-        return _Graph(inp=inp, ids=ids, slots=slots, nopts=nopts, start=scalars[0], real=scalars[1], route=scalars[2:3],
+        ids, slots, options, scalars = torch.split(inp, [L, S, S * MAX_OPTIONS, 4])
+        return _Graph(inp=inp, ids=ids, slots=slots, options=options.view(S, MAX_OPTIONS), start=scalars[0], real=scalars[1], route=scalars[2:3],
                       shift=scalars[3],
                       out=None, graph=None)
 
@@ -174,9 +174,10 @@ class ChunkRunner:
         return {"graphs": sum(g is not None for g in self.graphs.values()), "seconds": round(time.perf_counter() - t0, 2),
                 "failed": self.failures[:3]}
 
-    def run(self, ids, s: int, e: int, slots=None, nopts=None, route: int = 0, images=None) -> torch.Tensor:
+    def run(self, ids, s: int, e: int, slots=None, options=None, route: int = 0, images=None) -> torch.Tensor:
         """Chunk [s, e) of ids (an int64 numpy array or a list of ints) from the current state -> probabilities
-        [max_slots, n_letters] at `slots` (absolute positions in [s, e)); rows past len(slots) are padding.
+        [max_slots, MAX_OPTIONS] at `slots` (absolute positions in [s, e)), over each slot's options (one spec per slot:
+        an option count or token ids, statecache.graphs.fill_options); rows past len(slots) are padding.
         route: the specialists route the adapter layers run with (specialists only). images: the row's
         statecache.vision.RowImages, or None (a text row)."""
         key = self.shape(s, e)
@@ -186,13 +187,13 @@ class ChunkRunner:
         rel = [x - s for x in slots or ()]
         shift = images.shift(s) if images is not None else 0
         if images is not None and images.has_image(s, e):  # eagerly, with positions and embeddings
-            inp = pack_inputs(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s, route, shift))
+            inp = pack_inputs(L, self.max_slots, ids[s:e], rel, options or (), (s, e - s, route, shift))
             g = self._buffers(inp.to(self.device), L)
             self._hold(route, g)
             with torch.no_grad():
                 return self._forward(g, L, span, images.chunk(s, e, L))
         if not self.use_graphs:
-            inp = pack_inputs(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s, route, shift))
+            inp = pack_inputs(L, self.max_slots, ids[s:e], rel, options or (), (s, e - s, route, shift))
             g = self._buffers(inp.to(self.device), L)
             self._hold(route, g)
             with torch.no_grad():
@@ -200,7 +201,7 @@ class ChunkRunner:
         g = self.graphs.get(key)
         if g is None:
             raise NotCaptured(f"no graph for {key}")
-        g.staging.send(L, self.max_slots, ids[s:e], rel, nopts or (), (s, e - s, route, shift))
+        g.staging.send(L, self.max_slots, ids[s:e], rel, options or (), (s, e - s, route, shift))
         self._hold(route, g)
         g.graph.replay()
         return g.out

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .protocol import QUEUE_NAME
+from .protocol import JOB_TIMEOUT_S, QUEUE_NAME, redact
 
 log = logging.getLogger("statecache.settings")
 PREFIX = "STATECACHE_"
@@ -46,11 +46,7 @@ class Settings:
     precapture: bool = _f(True, "STATECACHE_PRECAPTURE", "capture every CUDA graph before serving (no-op on the CPU)")
     specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; README: Specialists; default: none)")
     batch: int = _f(64, "STATECACHE_BATCH", "most rows of saved states run in one batched forward (0: one at a time)")
-    batch_fla_from: int = _f(0, "STATECACHE_BATCH_FLA_FROM", "on cuda, batched forwards of at least this many questions (hits) run the delta rule through fla's chained kernels, in graphs of their own (0: never)")
     between_layers: int = _f(4, "STATECACHE_BETWEEN_LAYERS", "a new page's forward can stop for the hits that arrived meanwhile every this many layers (0: only after it)")
-    plant_overlap: bool = _f(False, "STATECACHE_PLANT_OVERLAP", "on cuda, those stops run beside the new page's forward (its pieces on a stream of their own) instead of after each piece (off until its GPU test has run: README)")
-    between_min_rows: int = _f(1, "STATECACHE_BETWEEN_MIN_ROWS", "with BETWEEN_WAIT_S > 0, it stops only once this many such rows wait (each stop is a batched forward: fewer, fuller stops trade hit latency for rows/s)")
-    between_wait_s: float = _f(0.0, "STATECACHE_BETWEEN_WAIT_S", "or once the oldest of them has waited this long")
     max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")
     # --- the state cache
     cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")
@@ -61,13 +57,18 @@ class Settings:
     cache_min_prefix: int = _f(256, "STATECACHE_CACHE_MIN_PREFIX", "shorter states take the plain path")
     cache_max_slots: int = _f(4, "STATECACHE_CACHE_MAX_SLOTS", "answer slots a cached row may have")
     # --- the worker
-    gil_switch_s: float = _f(0.0, "STATECACHE_GIL_SWITCH_S", "the worker's thread switch interval (sys.setswitchinterval): the longest the GPU thread waits for the event loop to hand the interpreter back before launching the next piece of a forward (0: Python's own, 0.005)")
     max_jobs: int = _f(32, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
     poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "arq polls the queue this often")
-    job_timeout_s: float = _f(120.0, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")
+    job_timeout_s: float = _f(JOB_TIMEOUT_S, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")
     drain_s: float = _f(30.0, "STATECACHE_DRAIN_S", "on SIGTERM: finish rows in flight for up to this long, then exit")
     health_interval_s: float = _f(5.0, "STATECACHE_HEALTH_INTERVAL_S", "the health key is refreshed this often")
+    engine_stuck_s: float = _f(60.0, "STATECACHE_ENGINE_STUCK_S", "the engine counts as stuck when one step (a batch, or a piece of a long one) runs this long: the health key and worker_ready stop, the rows waiting go back to the queue (their tries kept) and the worker exits with status 70 (keep it under JOB_TIMEOUT_S; 0: never)")
+    metrics_addr: str = _f("127.0.0.1", "STATECACHE_METRICS_ADDR", "address the metrics listen on (0.0.0.0: every interface, as in docker/compose.yaml)")
     metrics_port: int = _f(9400, "STATECACHE_METRICS_PORT", "Prometheus metrics on this port (0: off)")
+    worker_id: str = _f("", "STATECACHE_WORKER_ID", "this worker's name among the workers of one queue (default: host name, process id and a random suffix)")
+    route_ttl_s: float = _f(10.0, "STATECACHE_ROUTE_TTL_S", "a worker's heartbeat and advertised states expire this long after it stops refreshing them; its queued jobs then go to the others")
+    route_shed_rows: int = _f(8, "STATECACHE_ROUTE_SHED_ROWS", "a row goes to the least loaded worker instead of the one holding its state when that one has this many more rows queued")
+    route_grace_s: float = _f(5.0, "STATECACHE_ROUTE_GRACE_S", "an idle worker takes rows from another's queue that have waited this long")
     max_job_bytes: int = _f(16 * 2**20, "STATECACHE_MAX_JOB_BYTES", "larger job payloads are refused before decoding")
 
     @classmethod
@@ -83,6 +84,11 @@ class Settings:
             for name in unknown_variables(env):
                 log.warning("unknown setting %s ignored (known: see `statecache.settings.Settings` or the README)", name)
         return cls(**{**values, **overrides})
+
+    def __repr__(self) -> str:  # the dataclass's own, less REDIS_URL's password (statecache.protocol.redact)
+        shown = (f"{f.name}={repr(redact(self.redis_url) if f.name == 'redis_url' else getattr(self, f.name))}"
+                 for f in dataclasses.fields(self))
+        return f"Settings({', '.join(shown)})"
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

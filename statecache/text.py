@@ -16,17 +16,24 @@ Images (statecache.images): each `<|image|>` placeholder in the state or a quest
 marker with its pad token expanded to the image's token count, inside the same pieces, so the state segment still
 ends where the state does and equal screenshots give equal tokens.
 
-Knows the tokenizer interface (`chat_template`, `apply_chat_template`, `encode`) and the row contract; does
-not know the model, the letters' token ids, or the queue. Deterministic: same row, same tokenizer, same ids.
+Text is tokenised as text (`encode_parts`): control tokens (the tokenizer's added tokens) appear only where the
+template or an image marker puts them; the same strings in a page, a question or an option split as ordinary text,
+so a page cannot write a chat turn. Each slot reads its letters' tokens in its context (`answer_tokens`, found once
+per tokenizer: " A" after the cue, "A" at the assistant's reply), given to the row as its `options`.
+
+Knows the tokenizer interface (`chat_template`, `apply_chat_template`, `encode`, `get_added_vocab`, a fast
+tokenizer's `backend_tokenizer`) and the row contract; does not know the model or the queue. Deterministic: same row, same tokenizer, same ids.
 """
 
 from __future__ import annotations
 
+import re
 import string
+from dataclasses import dataclass
 from typing import Any
 
 from statecache.images import PLACEHOLDER
-from statecache.rows import MAX_OPTIONS, MIN_OPTIONS, TEXT_FIELDS, RowError, check_fields
+from statecache.contract import MAX_OPTIONS, MIN_OPTIONS, TEXT_FIELDS, RowError, check_fields, field_names
 
 LETTERS = string.ascii_uppercase
 ANSWER_CUE = "Answer:"
@@ -52,7 +59,7 @@ def _check_text_row(row: Any) -> tuple[str, list[dict]]:
         if not isinstance(q, dict):
             raise RowError("bad_type", f"questions[{i}] must be a map {{text, options}}, got {type(q).__name__}")
         if set(q) != {"text", "options"}:
-            raise RowError("bad_row", f"questions[{i}] must have exactly the fields text, options; got {sorted(map(str, q))}")
+            raise RowError("bad_row", f"questions[{i}] must have exactly the fields text, options; got {field_names(q)}")
         if not isinstance(q["text"], str):
             raise RowError("bad_type", f"questions[{i}].text must be a string, got {type(q['text']).__name__}")
         opts = q["options"]
@@ -74,8 +81,9 @@ def question_text(question: dict) -> str:
     return "\n".join(lines)
 
 
-def _frame(state: str, tokenizer: Any) -> tuple[str, str]:
-    """(state segment text, template tail text) for this state."""
+def _frame(state: str, tokenizer: Any) -> tuple[str, str, str]:
+    """(template head, state segment's text, template tail) for this state: the head and tail are the template's
+    markup (its control tokens count), the middle is the state plus STATE_SEP (text)."""
     state_part = state + STATE_SEP if state else ""
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": state_part + _PLACEHOLDER}]
@@ -84,17 +92,118 @@ def _frame(state: str, tokenizer: Any) -> tuple[str, str]:
         )
         head, found, tail = rendered.rpartition(_PLACEHOLDER)
         if found and head.endswith(state_part):
-            return head, tail
-    return state_part, ""
+            return head[: len(head) - len(state_part)], state_part, tail
+    return "", state_part, ""
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+def _plain_ids(tokenizer: Any, text: str, added_ids: set) -> list[int]:
+    """text tokenised with no added token matched: what the tokenizer does between added tokens. Its own encode when
+    that matched none (every row without such strings: one call, as fast as ever), else a fast tokenizer's
+    normaliser, pre-tokeniser and model over the whole text (a slow one's encode with special tokens split)."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if added_ids.isdisjoint(ids):
+        return ids
+    bt = getattr(tokenizer, "backend_tokenizer", None)
+    if bt is None:
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    if bt.normalizer is not None:
+        text = bt.normalizer.normalize_str(text)
+    pieces = bt.pre_tokenizer.pre_tokenize_str(text) if bt.pre_tokenizer is not None else [(text, None)]
+    return [t.id for piece, _ in pieces for t in bt.model.tokenize(piece)]
 
 
-def encode_text_row(row: dict, tokenizer: Any, max_tokens: int, images: Any = None) -> dict:
-    """A text row as a token row `{ids, state_len, slots, nopts}` (plus `images`: unlocated ImageRefs, when the row
-    has any); raises RowError if malformed or too long. images: the model's statecache.images.ImageSupport."""
+def _added(tokenizer: Any) -> tuple[dict, Any]:
+    """The tokenizer's added tokens (control tokens and the like) {text: id} and a regex matching them, longest first."""
+    added = dict(tokenizer.get_added_vocab()) if hasattr(tokenizer, "get_added_vocab") else {}
+    return added, (re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True)))) if added else None)
+
+
+def encode_parts(tokenizer: Any, parts: list[tuple[str, bool]]) -> list[int]:
+    """parts: [(string, markup)] -> the ids of their concatenation as the tokenizer encodes it, except that an added
+    token's string (`<|im_start|>`, ...) becomes that token only inside markup (the chat template's own text, the
+    image markers); inside text (a page, a question, an option) it splits as ordinary text. So page text cannot write
+    a chat role, and a text without such strings tokenises exactly as before."""
+    added, pattern = _added(tokenizer)
+    items: list = []  # strings to tokenise as text, and added-token ids
+    run: list[str] = []
+    for text, markup in parts:
+        if markup and pattern is not None:
+            at = 0
+            for m in pattern.finditer(text):
+                run.append(text[at : m.start()])
+                items += ["".join(run), added[m.group()]]
+                run, at = [], m.end()
+            run.append(text[at:])
+        else:
+            run.append(text)
+    items.append("".join(run))
+    ids: list[int] = []
+    added_ids = set(added.values())
+    for it in items:
+        if isinstance(it, int):
+            ids.append(it)
+        elif it:
+            ids += _plain_ids(tokenizer, it, added_ids)
+    return ids
+
+
+def _text(text: str, images: Any, refs: list, k: int) -> tuple[list[tuple[str, bool]], int]:
+    """One text as parts, each image placeholder (from image k on) turned into its marker (markup); -> (parts, next k)."""
+    if not refs or PLACEHOLDER not in text:
+        return [(text, False)], k
+    pieces = text.split(PLACEHOLDER)
+    parts = [(pieces[0], False)]
+    for p in pieces[1:]:
+        marker, k = images.expand(PLACEHOLDER, refs, k)
+        parts += [(marker, True), (p, False)]
+    return parts, k
+
+
+@dataclass(frozen=True)
+class AnswerTokens:
+    """The option letters' tokens where a text row's slots read them: `cue`, after ANSWER_CUE (what the tokenizer
+    writes for "Answer: A": a byte-level BPE's " A"); `reply`, at the start of the assistant's reply (the template
+    tail followed by the letter), or None without a chat template (every slot then sits on a cue)."""
+
+    cue: tuple[int, ...]
+    reply: tuple[int, ...] | None
+
+    def for_slot(self, last: bool, k: int) -> tuple[int, ...]:
+        return ((self.reply if last and self.reply is not None else self.cue))[:k]
+
+
+def _letter_tokens(tokenizer: Any, context: list[tuple[str, bool]], sep: str, where: str) -> tuple[int, ...]:
+    """Per letter, the one token it adds after `context` (+ sep); ValueError naming the letter and context when a
+    letter is not one token after the context's own tokens, or two letters share a token."""
+    base = encode_parts(tokenizer, context)
+    out = []
+    for letter in LETTERS:
+        ids = encode_parts(tokenizer, context + [(sep + letter, False)])
+        if len(ids) != len(base) + 1 or ids[: len(base)] != base:
+            raise ValueError(f"the tokenizer writes the option letter {letter!r} {where} as {len(ids) - len(base)} "
+                             f"token(s) (ids {ids[len(base):]} after {len(base)}): an answer slot needs one token per letter there")
+        out.append(ids[-1])
+    if len(set(out)) != len(out):
+        dup = [LETTERS[j] for j, x in enumerate(out) if out.count(x) > 1]
+        raise ValueError(f"the option letters {', '.join(dup)} {where} share a token: the letters need distinct tokens")
+    return tuple(out)
+
+
+def answer_tokens(tokenizer: Any) -> AnswerTokens:
+    """The option tokens of this tokenizer's text rows (found once at start-up; see AnswerTokens); ValueError, naming
+    the letter and the context, for a tokenizer that does not write each letter as one distinct token there."""
+    cue = _letter_tokens(tokenizer, [(ANSWER_CUE, False)], " ", f"after {ANSWER_CUE!r} (as {ANSWER_CUE + ' A'!r})")
+    _, _, tail = _frame("", tokenizer)
+    reply = _letter_tokens(tokenizer, [(tail, True)], "", f"at the assistant's reply (after {tail!r})") if tail else None
+    return AnswerTokens(cue, reply)
+
+
+def encode_text_row(row: dict, tokenizer: Any, max_tokens: int, images: Any = None,
+                    answers: AnswerTokens | None = None) -> dict:
+    """A text row as a token row `{ids, state_len, slots, options}` (plus `images`: unlocated ImageRefs, when the row
+    has any); raises RowError if malformed or too long. images: the model's statecache.images.ImageSupport. answers:
+    the tokenizer's AnswerTokens (found at start-up; None: found now). Each slot's options are its letters' tokens
+    in its context: after the cue, or at the assistant's reply for the last question under a chat template."""
     state, questions = _check_text_row(row)
     chars = len(state) + sum(len(q["text"]) + sum(map(len, q["options"])) for q in questions)
     if chars > max_tokens * CHARS_PER_TOKEN_BOUND:
@@ -108,21 +217,22 @@ def encode_text_row(row: dict, tokenizer: Any, max_tokens: int, images: Any = No
             n_img = len(given) if isinstance(given, (list, tuple)) else type(given).__name__
             raise RowError("image_count_mismatch", f"{n_ph} image placeholder(s) {PLACEHOLDER!r} in the texts, {n_img} image(s)")
         refs = images.prepare(given)
-    head, tail = _frame(state, tokenizer)
-    if refs:
-        head, k = images.expand(head, refs, k)
-    ids = _encode(tokenizer, head)
+    head, state_part, tail = _frame(state, tokenizer)
+    if answers is None:
+        answers = answer_tokens(tokenizer)
+    parts, k = _text(state_part, images, refs, 0)
+    ids = encode_parts(tokenizer, [(head, True)] + parts)
     state_len = len(ids)
-    slots = []
+    slots, options = [], []
     for i, q in enumerate(questions):
-        piece = (QUESTION_SEP if i else "") + question_text(q) + (tail if i == len(questions) - 1 else "")
-        if refs:
-            piece, k = images.expand(piece, refs, k)
-        ids += _encode(tokenizer, piece)
+        last = i == len(questions) - 1
+        parts, k = _text((QUESTION_SEP if i else "") + question_text(q), images, refs, k)
+        ids += encode_parts(tokenizer, parts + ([(tail, True)] if last else []))
         slots.append(len(ids) - 1)
+        options.append(answers.for_slot(last and bool(tail), len(q["options"])))
     if len(ids) > max_tokens:
         raise RowError("too_long", f"text row tokenises to {len(ids)} tokens, more than the limit {max_tokens}")
-    out = {"ids": ids, "state_len": state_len, "slots": slots, "nopts": [len(q["options"]) for q in questions]}
+    out = {"ids": ids, "state_len": state_len, "slots": slots, "options": options}
     if refs:
         out["images"] = refs
     return out

@@ -1,8 +1,8 @@
 """The built-in tiny model: a small random Qwen3.5 checkpoint in the real Hugging Face layout, with its own tokenizer.
 
 It lets the worker, the demo and the tests run anywhere in seconds. Its weights are random, so its answers mean
-nothing; only their agreement with the reference does. Made once into ``$STATECACHE_HOME/tiny-v1`` (default
-``~/.cache/statecache/tiny-v1``): built in a temporary folder beside it, then renamed into place, so a reader
+nothing; only their agreement with the reference does. Made once into ``$STATECACHE_HOME/tiny-v2`` (default
+``~/.cache/statecache/tiny-v2``): built in a temporary folder beside it, then renamed into place, so a reader
 never sees half a model and two processes racing to make it both end up with one whole copy.
 
 ``tiny_vl_model_dir()`` is the same model in the released multimodal layout (``Qwen3_5ForConditionalGeneration``) with
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from .checkpoints import make_checkpoint
 
-NAME = "tiny-v1"
-VL_NAME = "tiny-vl-v1"
+NAME = "tiny-v2"  # v2: " A".." Z" are single tokens (text rows' answer slots read them after the cue)
+VL_NAME = "tiny-vl-v2"
 IMAGE_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]  # as in the released Qwen3.5 tokenizers
 # the tiny vision tower: 2-pixel patches merged 2x2, so an image of up to 32x32 pixels is at most 64 tokens
 VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2, temporal_patch_size=2,
@@ -113,7 +113,10 @@ def statecache_home() -> Path:
 
 def build_tokenizer(vision: bool = False):
     """A byte-level BPE tokenizer (``PreTrainedTokenizerFast``) learnt from ``TRAINING_TEXT``: every byte is a
-    token, so each letter A-Z is a single token; ChatML special tokens and chat template as Qwen's. vision: also
+    token, so each letter A-Z is a single token, and each space-prefixed letter " A".." Z" is one too (merges put in
+    place of the last ones where the text did not teach them: what a byte-level BPE writes after "Answer:", as
+    Qwen's does);
+    ChatML special tokens and chat template as Qwen's. vision: also
     the image tokens (``IMAGE_TOKENS``) and a chat template that renders image items."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -126,9 +129,42 @@ def build_tokenizer(vision: bool = False):
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer)
+    tok = with_spaced_letters(tok)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    extra_special_tokens=specials, chat_template=VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE,
                                    model_max_length=SHAPE["max_position_embeddings"])
+
+
+def with_spaced_letters(tok):
+    """The trained tokenizer with a merge "Ġ" + letter for every capital letter whose " L" it lacks, in place of its
+    last (rarest) merges, so the vocabulary keeps its size (and the tiny model the same weights)."""
+    import json
+    import string
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    missing = [c for c in string.ascii_uppercase if "\u0120" + c not in vocab]
+    while True:  # drop the last len(missing) merges (their tokens are the highest ids); a dropped " L" is missing too
+        size = len(vocab)
+        top = sorted(vocab.items(), key=lambda kv: kv[1])[size - len(missing):] if missing else []
+        lost = [t[1:] for t, _ in top if len(t) == 2 and t[0] == "\u0120" and t[1] in string.ascii_uppercase]
+        if not lost:
+            break
+        missing += [c for c in lost if c not in missing]
+        missing = [c for c in string.ascii_uppercase if c in missing]
+        if len(missing) > 26:
+            break
+    if missing:
+        first = size - len(missing)
+        vocab = {t: i for t, i in vocab.items() if i < first}
+        del merges[len(merges) - len(missing):]
+        for k, letter in enumerate(missing):
+            vocab["\u0120" + letter] = first + k
+            merges.append(["\u0120", letter] if not merges or isinstance(merges[0], list) else f"\u0120 {letter}")
+        spec["model"]["vocab"] = vocab
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def _build(out_dir: Path) -> None:

@@ -33,7 +33,7 @@ class VisionTower:
         """vision_config: transformers' Qwen3_5VisionConfig; state_dict: its weights (names without `model.visual.`)."""
         from .checkpoints import hf_qwen3_5
 
-        hf = hf_qwen3_5()
+        hf = hf_qwen3_5(kernels=None)  # the vision tower: no GDN layer
         self.model = hf.Qwen3_5VisionModel._from_config(vision_config, dtype=dtype)
         self.model.load_state_dict(state_dict, strict=True)
         self.model.to(device=device, dtype=dtype).eval()
@@ -48,7 +48,7 @@ class VisionTower:
 
         from .checkpoints import hf_qwen3_5
 
-        hf_qwen3_5()  # fla hidden where it cannot run, before transformers' Qwen3.5 code is first imported
+        hf_qwen3_5(kernels=None)  # before transformers' Qwen3.5 code is first imported another way
         model_dir = Path(model_dir)
         vcfg = Qwen3_5Config.from_pretrained(str(model_dir)).vision_config
         index = model_dir / "model.safetensors.index.json"

@@ -60,7 +60,9 @@ def build_tokenizer(chat_template: str | None = CHATML):
     )
     corpus = ["the page shows a login form", "Answer: A. yes B. no", "user assistant goal steps taken"] * 10
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    from statecache.tiny import with_spaced_letters
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=with_spaced_letters(tok), eos_token="<|im_end|>")
     fast.chat_template = chat_template
     return fast
 
@@ -92,4 +94,24 @@ def slow_start_engine(settings=None):
     engine = Engine.from_settings(settings)
     time.sleep(2.0)
     Path(os.environ["TEST_BUILT_AT"]).write_text(repr(time.time()))
+    return engine
+
+
+def held_engine(settings=None) -> GatedEngine:
+    """The real engine, each batch held $TEST_ENGINE_DELAY_S seconds longer (default 1): a worker process whose rows
+    stay in flight as long as a test needs (STATECACHE_ENGINE=tests.fakes:held_engine)."""
+    import os
+
+    from statecache.engine import Engine
+
+    return GatedEngine(Engine.from_settings(settings), delay_s=float(os.environ.get("TEST_ENGINE_DELAY_S", "1")))
+
+
+def hung_engine(settings=None) -> GatedEngine:
+    """The real engine behind a gate that never opens: its first batch never ends, as a hung GPU would
+    (STATECACHE_ENGINE=tests.fakes:hung_engine)."""
+    from statecache.engine import Engine
+
+    engine = GatedEngine(Engine.from_settings(settings))
+    engine.gate.clear()
     return engine

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import redis as redis_sync
@@ -43,6 +44,7 @@ class InProcessWorker:
         self.make_engine = make_engine
         self.worker = None
         self.error: BaseException | None = None
+        self.error_trace = ""  # its traceback
 
     def __enter__(self) -> "InProcessWorker":
         self._thread = threading.Thread(target=self._main, daemon=True)
@@ -68,6 +70,7 @@ class InProcessWorker:
             self.worker.run()
         except BaseException as e:  # reported to the test
             self.error = e
+            self.error_trace = traceback.format_exc()
 
     @property
     def gpu(self):
@@ -89,8 +92,6 @@ class InProcessWorker:
         assert not self._thread.is_alive(), "the in-process worker did not stop:\n" + self._stacks()
 
     def _stacks(self) -> str:
-        import traceback
-
         frame = sys._current_frames().get(self._thread.ident)
         out = ["worker thread:", "".join(traceback.format_stack(frame)) if frame else "?"]
         try:

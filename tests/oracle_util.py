@@ -97,11 +97,16 @@ class Reference:
                 self._logits[key] = self.model(input_ids=torch.tensor([ids])).logits[0].float()  # [n, V]
         return self._logits[key]
 
-    def answers(self, ids: list[int], slots: list[int], nopts: list[int]) -> list[list[float]]:
-        """Per slot: softmax over the logits of the first nopts letters at that position."""
+    def answers(self, ids: list[int], slots: list[int], nopts: list) -> list[list[float]]:
+        """Per slot: softmax over the logits at that position of its options: the first n letters for a count n, else
+        the given token ids."""
         full = self.logits(ids)
-        letters = torch.tensor(self.letters)
-        return [torch.softmax(full[s, letters[:n]], -1).tolist() for s, n in zip(slots, nopts)]
+        return [torch.softmax(full[s, option_ids(self.letters, n)], -1).tolist() for s, n in zip(slots, nopts)]
+
+
+def option_ids(letters: list[int], spec) -> torch.Tensor:
+    """One slot's option token ids: the first `spec` letters for a count, else the ids themselves."""
+    return torch.tensor(letters[:spec] if isinstance(spec, int) else list(spec), dtype=torch.long)
 
 
 def max_abs_diff(ours: list[list[float]], ref: list[list[float]]) -> float:

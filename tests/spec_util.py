@@ -59,5 +59,6 @@ class SpecReference:
         kw: transformers' image inputs for a row with images."""
         r = self.route(ids, **kw) if route is None else route
         full = self.logits(ids, r, **kw)
-        letters = torch.tensor(self.letters)
-        return r, [torch.softmax(full[s, letters[:n]], -1).tolist() for s, n in zip(slots, nopts)]
+        from tests.oracle_util import option_ids
+
+        return r, [torch.softmax(full[s, option_ids(self.letters, n)], -1).tolist() for s, n in zip(slots, nopts)]

@@ -8,7 +8,6 @@ transformers' own; over random mixes of hits, grown states and new states with e
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -372,84 +371,3 @@ def test_graphs_plant_a_grown_state_inside_its_piece(monkeypatch):
     hit = cache.rows_batched([later])[0]
     assert hit.path == "hit" and hit.reused == 320
     check(cache, [later], [hit])
-
-
-class _FlaChainShim(TorchKernels):
-    """TorchKernels with FlaKernels' `delta_packed` (fla's chain over packed sequences from given states), done by the
-    torch reference, rows of no sequence left as NaN (fla leaves them unset): what a questions-only graph calls."""
-
-    calls = 0
-
-    def delta_packed(self, q, k, v, g, beta, init, cu, chunk_indices):
-        type(self).calls += 1
-        o, _ = self.delta(q[None], k[None], v[None], g[None], beta[None], init.clone(), cu)
-        return torch.cat([o[0], torch.full_like(v[o.shape[1]:], float("nan"))])
-
-
-def test_graphs_for_questions_only(monkeypatch):
-    """With `fla_from`, a forward of at least that many pieces that are all questions (hits: no state kept, no
-    snapshot) replays a graph of its own whose delta rule is the chain's (`delta_packed` from the gathered states);
-    its answers are the reference's. A smaller batch, or one with a grown state planting inside its piece, takes the
-    ordinary graphs."""
-    from tests.triton_interp import batch_graphs_in_interpreter
-
-    batch_graphs_in_interpreter(monkeypatch)
-    cache = make_cache(True)
-    runner = BatchRunner(small_model(), _FlaChainShim(), max_batch=4, graphs=True, triton=True, max_pos=MAX_POS,
-                         tokens=(64, 128, 256), fla_from=2)
-    runner.bk.span_kw = dict(n_splits=1)
-    cache.batch = runner
-    assert runner.fla_from == 2
-    states = [toks(270, 310 + k) for k in range(3)]
-    for k, s in enumerate(states):
-        cache.row(*row(s, 4, k))
-    _FlaChainShim.calls = 0
-    rows = [row(states[k], 3 + 5 * k, 50 + k, 1 + k % 2) for k in range(3)]
-    ans = cache.rows_batched(rows)
-    assert all(a is not None and a.path == "hit" for a in ans)
-    check(cache, rows, ans)
-    # its graph's capture ran the forward once, its replay once more: each time the chain in every GDN layer
-    assert runner.stats["fla_forwards"] == 1 and _FlaChainShim.calls == 2 * len(runner.model.cfg.linear_layers)
-    assert [k for k, g in runner.ask_graphs.items() if g is not None and g.graph.replays] == [(4, 128)]
-    assert not any(g is not None and g.graph.replays for g in runner.graphs.values())
-    one = cache.rows_batched([row(states[0], 7, 60)])  # one piece: below fla_from
-    check(cache, [row(states[0], 7, 60)], one)
-    grown = states[1] + toks(60, 320)  # p 256 -> 320: plants inside its piece (a snapshot): not questions only
-    mixed = [row(grown, 5, 61, 2), row(states[2], 6, 62)]
-    got = cache.rows_batched(mixed)
-    check(cache, mixed, got)
-    assert [a.path for a in got] == ["partial", "hit"]
-    assert runner.stats["fla_forwards"] == 1 and runner.graphs[(2, 128, True)].graph.replays == 1
-
-
-def test_delta_packed_recomputes_what_fla_derives_from_cu(monkeypatch):
-    """FlaKernels.delta_packed switches fla's identity memo off for its call (a graph's `cu` is one tensor whose values
-    change between replays, so an offsets tensor memoised in the capture's warm-up would be replayed stale), and puts
-    the switch back after, also when fla raises. fla itself is stood in for: the switch is read from `fla.utils` at
-    each call, as fla's own decorator does."""
-    import types
-
-    from statecache.kernels import FlaKernels
-
-    fake = types.ModuleType("fla.utils")
-    fake.FLA_DISABLE_TENSOR_CACHE = False
-    pkg = types.ModuleType("fla")
-    pkg.utils = fake
-    monkeypatch.setitem(sys.modules, "fla", pkg)
-    monkeypatch.setitem(sys.modules, "fla.utils", fake)
-    seen = []
-
-    def gdr(q, k, v, **kw):
-        seen.append((fake.FLA_DISABLE_TENSOR_CACHE, kw["output_final_state"], kw["chunk_indices"] is ci, kw["cu_seqlens"] is cu))
-        if len(seen) == 2:
-            raise RuntimeError("fla failed")
-        return v.clone(), None
-
-    stub = types.SimpleNamespace(_gdr=gdr)
-    T, cu, ci = 5, torch.tensor([0, 2, 5]), torch.zeros(3, 2, dtype=torch.long)
-    q, k, v = torch.randn(T, 1, 4), torch.randn(T, 1, 4), torch.randn(T, 2, 4)
-    o = FlaKernels.delta_packed(stub, q, k, v, torch.zeros(T, 2), torch.ones(T, 2), torch.zeros(2, 2, 4, 4), cu, ci)
-    assert torch.equal(o, v) and seen == [(True, False, True, True)] and fake.FLA_DISABLE_TENSOR_CACHE is False
-    with pytest.raises(RuntimeError):
-        FlaKernels.delta_packed(stub, q, k, v, torch.zeros(T, 2), torch.ones(T, 2), torch.zeros(2, 2, 4, 4), cu, ci)
-    assert fake.FLA_DISABLE_TENSOR_CACHE is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,58 @@ def test_tiny_reference_runs(tiny_dir):
         logits = ref(torch.arange(70).unsqueeze(0)).logits
     assert logits.shape == (1, 70, ref.config.vocab_size) and torch.isfinite(logits).all()
     assert checkpoints.checkpoint_layout(tiny_dir) == "causal"
+
+
+# A stand-in for flash-linear-attention installed on a GPU host: its kernels are Triton's, which cannot read CPU
+# tensors (the message is the one Triton gives). transformers binds them when its Qwen3.5 code is imported.
+_FLA_STUB = '''
+def _triton(*args, **kwargs):
+    raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+
+chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = _triton
+'''
+
+
+def test_tiny_folders_build_on_a_gpu_host_with_fla(tmp_path, tiny_dir):
+    """`python -m statecache.tiny specialists` on a host where CUDA is available and fla imports (both simulated in
+    a fresh process): the specialists folder is built on the CPU (a forward of the tiny model for the router) through
+    transformers' torch code, never handing CPU tensors to fla's kernels; a reference loaded there answers too."""
+    import shutil
+    import subprocess
+    import sys
+
+    stub = tmp_path / "site"
+    (stub / "fla" / "ops" / "gated_delta_rule").mkdir(parents=True)
+    (stub / "fla" / "__init__.py").write_text("")
+    (stub / "fla" / "ops" / "__init__.py").write_text("")
+    (stub / "fla" / "ops" / "gated_delta_rule" / "__init__.py").write_text(_FLA_STUB)
+    home = tmp_path / "home"
+    shutil.copytree(tiny_dir, home / tiny.NAME)  # the model itself is copied: only the specialists are built
+    code = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; import fla.ops.gated_delta_rule; "
+            "sys.argv = ['statecache.tiny', 'specialists']; runpy.run_module('statecache.tiny', run_name='__main__'); "
+            "from statecache.checkpoints import load_reference; from statecache.tiny import tiny_model_dir; "
+            "print(load_reference(tiny_model_dir())(torch.arange(70)[None]).logits.shape)")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "STATECACHE_HOME": str(home), "PYTHONPATH": os.pathsep.join([str(stub), str(root)])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (home / (tiny.NAME + "-specialists") / "router.json").is_file()
+    assert done.stdout.split() == [str(home / (tiny.NAME + "-specialists")), "torch.Size([1,", "70,", f"{tiny.VOCAB_SIZE}])"]
+
+
+def test_hf_qwen3_5_refuses_the_other_binding():
+    """transformers binds its GDN kernels once per process (a fresh one here): after the kernels were asked for,
+    asking for the torch path raises a clear error (a CPU forward would otherwise reach Triton's); kernels=None
+    takes the module as it is. (The other way round raises the same way.)"""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    for first, then in (("True", "False"),):
+        code = (f"from statecache.checkpoints import hf_qwen3_5\nm = hf_qwen3_5(kernels={first})\n"
+                f"assert hf_qwen3_5(kernels=None) is m and hf_qwen3_5(kernels={first}) is m\n"
+                f"try:\n    hf_qwen3_5(kernels={then})\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.startswith("refused: transformers' Qwen3.5 code was imported"), done.stdout

@@ -62,7 +62,7 @@ def check(eng: Engine, rows: list[dict], results: list[dict]) -> None:
         if "error" in res:
             continue
         tr = r if "ids" in r else encode_text_row(r, eng.tokenizer, eng.max_row_tokens)
-        ref = eng.plain.forward([(tr["ids"], tr["slots"], tr["nopts"])])[0]
+        ref = eng.plain.forward([(tr["ids"], tr["slots"], tr.get("options", tr.get("nopts")))])[0]
         assert_close(res["probs"], ref)
         if res["path"] == "memo":
             assert res["reused"] == 0 and res["computed"] == 0

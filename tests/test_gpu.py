@@ -163,42 +163,42 @@ def test_specialists_batched_hits_match_plain(kernels):
         assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3
 
 
-def test_questions_only_batches_through_flas_chain_match_plain(kernels):
-    """The tiny model on CUDA, float32, with STATECACHE_BATCH_FLA_FROM=2: hits on several saved states run as one
-    questions-only forward (its own graph: fla's chained delta rule from the states gathered into the batch slots,
-    chunk indices built on the device) and answer as the plain path's packed forward; a grown state's row (it keeps
-    snapshots) still takes the ordinary batched graph."""
+def test_rows_with_options_through_graphs_match_plain(kernels):
+    """Token rows naming their own option ids (issue 25), hits batched with rows of other option sets and nopts rows,
+    through the CUDA graphs (keyed without the options: the ids are device inputs each replay reads), answer as the
+    plain path's forward of the same rows; a second batch with other options replays the same graphs."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
 
-    eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128), compile=False,
-                 batch_fla_from=2)
-    runner = eng.cache.batch
-    assert runner is not None and runner.fla_from == 2
+    eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128), compile=False)
+    V = eng.vocab_size
     g = torch.Generator().manual_seed(3)
-    states = [torch.randint(0, eng.vocab_size, (256 + 64 * k,), generator=g).tolist() for k in range(4)]
+    states = [torch.randint(0, V, (256 + 64 * k,), generator=g).tolist() for k in range(4)]
 
-    def rows(n, grow=0):
+    def rows(n, shift):
         out = []
-        for s in states:
-            s = s + torch.randint(0, eng.vocab_size, (grow,), generator=g).tolist() if grow else s
-            out.append({"ids": s + torch.randint(0, eng.vocab_size, (n,), generator=g).tolist(), "state_len": len(s),
-                        "slots": [len(s) + n - 1], "nopts": [4]})
+        for k, s in enumerate(states):
+            r = {"ids": s + torch.randint(0, V, (n,), generator=g).tolist(), "state_len": len(s),
+                 "slots": [len(s) + n - 3, len(s) + n - 1]}
+            if k % 2:
+                r["nopts"] = [2 + k, 4]
+            else:
+                r["options"] = [[(shift + 7 * j + k) % V for j in range(2 + k)], [V - 1, shift, 5]]
+            out.append(r)
         return out
-    eng.answer(rows(9))  # plants each state
-    for n in (17, 70):  # one and two 64-token chunks a sequence
-        hits = rows(n)
-        before = runner.stats.get("fla_forwards", 0)
+
+    eng.answer(rows(9, 0))  # plants each state
+    for shift in (11, 101):
+        hits = rows(17, shift)
+        captures = eng.cache.batch.stats["captures"]
         got = eng.answer(hits)
-        want = eng.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r in hits])
-        assert runner.stats["fla_forwards"] == before + 1
-        assert all(r["path"] == "hit" for r in got)
-        for r, (p, _) in zip(got, want):
-            assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3
-    before = runner.stats["fla_forwards"]
-    grown = rows(5, grow=80)
-    got = eng.answer(grown)
-    assert runner.stats["fla_forwards"] == before and all(r["path"] == "partial" for r in got)
+        want = eng.plain.forward([(r["ids"], r["slots"], r.get("options") or r["nopts"]) for r in hits])
+        assert [r["path"] for r in got] == ["hit"] * len(hits)
+        for r, p in zip(got, want):
+            for a, b in zip(r["probs"], p):
+                assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 5e-3
+        if shift == 101:
+            assert eng.cache.batch.stats["captures"] == captures  # the same graphs served other option ids
 
 
 def test_delta_states_are_flas_chunk_states(kernels):
@@ -252,38 +252,3 @@ def test_planting_graph_matches_the_packed_planting_forward(kernels):
         assert hit is not None and hit.path in ("hit", "partial")
         ref = eager.forward([(q2, [len(q2) - 1], [4])])[0]
         assert max(abs(a - b) for a, b in zip(hit.probs[0], ref[0])) < 3e-2
-
-
-def test_planting_graph_stops_beside_its_pieces_change_nothing(kernels):
-    """Stops that run batched hits beside a new state's planting pieces (its own stream, PlantGraph.overlap) give
-    the planting forward's answers, checkpoints and K/V, and the hits' answers, exactly as stops run after each
-    piece on one stream do."""
-    from statecache.engine import Engine
-
-    eng = Engine(device="cuda", dtype="bfloat16", compile=False, precapture=False)
-    pp, planter = eng.plain, eng.plain.planter
-    assert planter is not None and planter._stream is not None
-    g = torch.Generator().manual_seed(3)
-    rand = lambda n: torch.randint(0, eng.vocab_size, (n,), generator=g).tolist()  # noqa: E731
-    base = rand(640)
-    assert eng.answer([{"ids": base + rand(24), "state_len": 640, "slots": [663], "nopts": [4]}])[0]["path"] == "cold"
-    hits = [base + rand(12 + 8 * k) for k in range(3)]
-    asks = [(h, 640, [len(h) - 1], [4]) for h in hits]
-    first = eng.cache.rows_batched(asks)
-    assert all(a is not None for a in first)
-    ids = rand(1500)
-    row, plan = (ids, [len(ids) - 1], [4]), eng.cache.plan(1470)
-    assert planter.capture(len(ids), 1, (4,))
-    runs = {}
-    for overlap in (False, True, False, True):
-        planter.overlap = overlap
-        stops = []
-        outs, (pl,) = pp.run([row], [plan], between=lambda: stops.append(eng.cache.rows_batched(asks)))
-        runs.setdefault(overlap, []).append(
-            (outs[0][0], [t.clone() for t in pl.S + pl.conv + [pl.K, pl.V]], [[a.probs for a in s] for s in stops]))
-    want = runs[False][0]
-    assert len(want[2]) > 0 and all(s == [a.probs for a in first] for s in want[2])
-    for seen in runs[False][1:] + runs[True]:  # every run, either way, as the first
-        assert seen[0] == want[0]
-        assert all(torch.equal(x, y) for x, y in zip(seen[1], want[1]))
-        assert seen[2] == want[2]

@@ -103,13 +103,20 @@ def test_precaptured_plain_graphs_and_no_capture_while_serving(fake_graphs):
 
 
 def test_fill_inputs_layout_and_no_stale_values():
-    """A graph's input buffer is reused run after run: a shorter row must leave nothing of the longer one behind."""
+    """A graph's input buffer is reused run after run: a shorter row must leave nothing of the longer one behind.
+    Options: a count k is the first k letters (codes -2 - j), token ids as given, -1 past a slot's options, two
+    letters in a padding slot."""
     import numpy as np
 
-    from statecache.graphs import fill_inputs, pack_inputs
+    from statecache.graphs import MAX_OPTIONS, fill_inputs, input_size, pack_inputs
 
-    assert pack_inputs(8, 3, [1, 2, 3], [0, 2], [4, 5], (7, 3)).tolist() == [1, 2, 3, 0, 0, 0, 0, 0, 0, 2, 0, 4, 5, 2, 7, 3]
-    buf = np.full(16, -1, dtype=np.int64)
-    fill_inputs(buf, 8, 3, np.arange(10, 18), [5, 6, 7], [3, 3, 3], (64, 8))
-    fill_inputs(buf, 8, 3, np.array([9]), [0], [4], (128, 1))
-    assert buf.tolist() == [9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 2, 2, 128, 1]
+    def opts(*rows):
+        return [x for r in rows for x in list(r) + [-1] * (MAX_OPTIONS - len(r))]
+
+    got = pack_inputs(8, 3, [1, 2, 3], [0, 2], [4, (17, 5)], (7, 3)).tolist()
+    assert got == [1, 2, 3, 0, 0, 0, 0, 0] + [0, 2, 0] + opts([-2, -3, -4, -5], [17, 5], [-2, -3]) + [7, 3]
+    n = input_size(8, 3, 2)
+    buf = np.full(n, -7, dtype=np.int64)
+    fill_inputs(buf, 8, 3, np.arange(10, 18), [5, 6, 7], [3, (1, 2, 3, 4), 26], (64, 8))
+    fill_inputs(buf, 8, 3, np.array([9]), [0], [(30, 31)], (128, 1))
+    assert buf.tolist() == [9, 0, 0, 0, 0, 0, 0, 0] + [0, 0, 0] + opts([30, 31], [-2, -3], [-2, -3]) + [128, 1]

@@ -22,6 +22,7 @@ from statecache.images import PLACEHOLDER, positions
 from statecache.rows import check_row
 from statecache.tiny import tiny_model_dir, tiny_vl_model_dir
 from tests.cache_util import assert_close, one_thread
+from tests.oracle_util import option_ids
 from tests.test_graph_modes import fake_graphs  # noqa: F401 - the stand-in CUDA graphs fixture
 
 TOL = 1e-4
@@ -84,10 +85,9 @@ def reference(eng: Engine, ref, raw: dict) -> list[list[float]]:
     row, ids, kw = hf_inputs(eng, raw)
     with torch.no_grad():
         logits = ref(input_ids=ids, **kw).logits[0]
-    letters = torch.tensor(eng.letter_ids)
     out = []
-    for s, k in zip(row["slots"], row["nopts"]):
-        out.append(torch.softmax(logits[s, letters[:k]].double(), -1).tolist())
+    for s, k in zip(row["slots"], row["options"]):
+        out.append(torch.softmax(logits[s, option_ids(eng.letter_ids, k)].double(), -1).tolist())
     return out
 
 
@@ -145,7 +145,7 @@ def test_token_form_with_images_equals_text_form(make, ref):
     eng = make(settings=CacheSettings(mb=0))
     raw = {"state": f"{WORDS}{PLACEHOLDER}", "questions": [q("What is shown?")], "images": [png(7)]}
     row = check_row(raw, eng.vocab_size, eng.max_row_tokens, eng.tokenizer, eng.images)
-    tok = {"ids": row["ids"], "state_len": row["state_len"], "slots": row["slots"], "nopts": row["nopts"],
+    tok = {"ids": row["ids"], "state_len": row["state_len"], "slots": row["slots"], "options": row["options"],
            "images": [png(7)]}
     a, b = eng.answer([raw])[0], eng.answer([tok])[0]
     assert_close(a["probs"], b["probs"], 1e-6)
@@ -254,7 +254,7 @@ def test_bad_token_form_image_runs(make):
     eng = make()
     raw = {"state": f"{WORDS}{PLACEHOLDER}", "questions": [q("x?")], "images": [png(50)]}
     row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
-    tok = {k: row[k] for k in ("ids", "state_len", "slots", "nopts")}
+    tok = {k: row[k] for k in ("ids", "state_len", "slots", "options")}
     pad = eng.images.image_token_id
     short = dict(tok, ids=[t for i, t in enumerate(tok["ids"]) if not (t == pad and i == row["images"][0].start)],
                  images=[png(50)])
@@ -344,7 +344,7 @@ def test_image_rows_through_replayed_graphs(fake_graphs, model_dir, ref):
         row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
         mm = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)
         before = sum(g.graph.replays for g in runner.graphs.values() if g is not None)
-        ans = cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=mm)
+        ans = cache.row(row["ids"], row["state_len"], row["slots"], row["options"], images=mm)
         assert ans is not None and ans.path == path
         assert_close(ans.probs, reference(eng, ref, raw), TOL)
         if path != "cold":
@@ -400,7 +400,7 @@ def test_packed_forward_plants_an_image_state_as_the_chunked_path_does(model_dir
     chunked = Engine(model_dir, device="cpu", dtype="float32", max_pos=2048, settings=settings)
     row = check_row(raw, chunked.vocab_size, 4096, chunked.tokenizer, chunked.images)
     mm = RowImages(row["ids"], row["images"], chunked.embeddings, chunked.device)
-    ans = chunked.cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=mm)
+    ans = chunked.cache.row(row["ids"], row["state_len"], row["slots"], row["options"], images=mm)
     assert ans.path == "cold"
     assert_close(res["probs"], ans.probs, TOL)
     got = {c.pos: c for c in packed.cache.index.lru_order()}
@@ -427,7 +427,7 @@ def vl_specialists(model_dir, tmp_path_factory):
 
 def _spec_reference(eng: Engine, ref_, raw: dict) -> tuple[str, list[list[float]]]:
     row, _, kw = hf_inputs(eng, raw)
-    route, probs = ref_.answers(row["ids"], row["slots"], row["nopts"], **kw)
+    route, probs = ref_.answers(row["ids"], row["slots"], row["options"], **kw)
     return ref_.names[route], probs
 
 
@@ -501,9 +501,9 @@ def test_image_rows_with_specialists_through_replayed_graphs(fake_graphs, model_
         cache.guess = lambda best, g=g: own(best) if g is None else g
         row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
         mm = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)
-        ans = cache.row(row["ids"], row["state_len"], row["slots"], row["nopts"], images=mm)
+        ans = cache.row(row["ids"], row["state_len"], row["slots"], row["options"], images=mm)
         assert ans is not None
-        (want, route), = plain.answer([(row["ids"], row["slots"], row["nopts"], mm)])
+        (want, route), = plain.answer([(row["ids"], row["slots"], row["options"], mm)])
         assert ans.route == route
         assert_close(ans.probs, want, TOL)
         paths.append(ans.path)

@@ -83,7 +83,7 @@ def prefix(layout: str) -> str:
 
 def assert_same_weights(a: loader.Weights, b: loader.Weights) -> None:
     def flat(w):
-        out = {"embed": w.embed, "final_norm": w.final_norm, "letter_w": w.letter_w}
+        out = {"embed": w.embed, "final_norm": w.final_norm, "head_w": w.head_w}
         for i, L in enumerate(w.layers):
             for f in ("in_norm", "post_norm", "gate_up_w", "down_w"):
                 out[f"{i}.{f}"] = getattr(L, f)
@@ -112,7 +112,7 @@ def test_layouts_load(pristine, key):
     assert cfg.rope_theta == fields["rope_parameters"]["rope_theta"]
     w = load_weights(path, LETTERS)
     assert len(w.layers) == cfg.num_layers and [L.kind for L in w.layers] == list(cfg.layer_types)
-    assert w.letter_w.shape == (26, cfg.hidden_size)
+    assert w.head_w.shape == (cfg.vocab_size, cfg.hidden_size) and w.letter_ids.shape == (26,)
 
 
 @pytest.mark.parametrize("name", ["cond_tied_rot1", "cond_untied_sharded"])
@@ -269,7 +269,7 @@ def test_tied_checkpoint_has_no_lm_head_and_loads(pristine, name):
     path = pristine(name)
     assert "lm_head.weight" not in tensors(path)
     w = load_weights(path, LETTERS)
-    assert torch.equal(w.letter_w, w.embed[LETTERS])
+    assert w.head_w is w.embed and w.letter_ids.tolist() == list(LETTERS)
 
 
 @pytest.mark.parametrize("name", ["causal_untied_gqa2", "cond_untied_sharded"])
@@ -277,15 +277,15 @@ def test_untied_head_rows_are_the_letters(pristine, name):
     path = pristine(name)
     head = tensors(path)["lm_head.weight"]
     w = load_weights(path, LETTERS)
-    assert torch.equal(w.letter_w, head[LETTERS])
-    assert not torch.equal(w.letter_w, w.embed[LETTERS])
+    assert torch.equal(w.head_w, head)
+    assert not torch.equal(w.head_w, w.embed)
 
 
 @pytest.mark.parametrize("name", ["causal_tied_sharded", "cond_untied_sharded"])
 def test_bfloat16_keeps_gates_and_norms_float32(pristine, name):
     w = load_weights(pristine(name), LETTERS, "cpu", torch.bfloat16)
     f32, bf16 = torch.float32, torch.bfloat16
-    assert w.embed.dtype == bf16 and w.letter_w.dtype == bf16 and w.final_norm.dtype == f32
+    assert w.embed.dtype == bf16 and w.head_w.dtype == bf16 and w.final_norm.dtype == f32
     for L in w.layers:
         assert L.in_norm.dtype == f32 and L.post_norm.dtype == f32
         assert L.gate_up_w.dtype == bf16 and L.down_w.dtype == bf16

@@ -210,7 +210,7 @@ def test_conditional_layout_ties_by_the_top_level_flag(tmp_path, top, inner):
 # ---- the delta rule against transformers' torch implementations -------------------------------------------------
 
 def _hf():
-    return hf_qwen3_5()  # fla hidden where it cannot run: transformers' own torch functions
+    return hf_qwen3_5()  # fla hidden while it is imported: transformers' own torch functions
 
 
 def _delta_inputs(T: int, Hk: int, Hv: int, Dk: int, Dv: int, seed: int):

@@ -26,7 +26,7 @@ def code(row, **kw):
 def test_good_row_is_copied_and_normalised():
     row = good(ids=(1, 2, 3, 4, 5))
     out = check_token_row(row, VOCAB, MAX)
-    assert out == {"ids": [1, 2, 3, 4, 5], "state_len": 3, "slots": [4], "nopts": [4]}
+    assert out == {"ids": [1, 2, 3, 4, 5], "state_len": 3, "slots": [4], "options": [4]}
     assert out["slots"] is not row["slots"]
 
 
@@ -93,10 +93,19 @@ def test_as_array_gives_the_same_row_as_a_read_only_int64_array():
     assert check_row(good(), VOCAB, MAX, as_array=True)["ids"].tolist() == [1, 2, 3, 4, 5]
 
 
-def test_message_names_the_place():
+def test_message_names_the_place_and_the_rule_not_the_value():
     with pytest.raises(RowError) as e:
         check_token_row(good(ids=[1, 2, 3, 4, 500]), VOCAB, MAX)
-    assert "ids[4] = 500" in e.value.message and "[0, 100)" in e.value.message
+    assert "ids[4]" in e.value.message and "[0, 100)" in e.value.message and "500" not in e.value.message
+    secret = "PAGE-SECRET-TEXT"
+    for row in (good(state_len=secret), good(ids=[1, 2, secret, 4, 5]), good(slots=[secret]), {**good(), secret: 1}):
+        with pytest.raises(RowError) as e:
+            check_token_row(row, VOCAB, MAX)
+        assert secret not in e.value.message and "SECRET" not in str(e.value), e.value.message
+    for row in (good(state_len=987654), good(slots=[987654]), good(nopts=[987654])):
+        with pytest.raises(RowError) as e:
+            check_token_row(row, VOCAB, MAX)
+        assert "987654" not in e.value.message, e.value.message
 
 
 def test_edges_are_accepted():
@@ -119,7 +128,7 @@ def test_check_row_dispatches(chatml_tokenizer):
     assert check_row(good(), VOCAB, MAX) == check_token_row(good(), VOCAB, MAX)
     text = {"state": "the page", "questions": [{"text": "ok?", "options": ["yes", "no"]}]}
     out = check_row(text, len(chatml_tokenizer), 1000, tokenizer=chatml_tokenizer)
-    assert out["nopts"] == [2] and out["slots"] == [len(out["ids"]) - 1]
+    assert len(out["options"]) == 1 and len(out["options"][0]) == 2 and out["slots"] == [len(out["ids"]) - 1]
     with pytest.raises(RowError, match="need a tokenizer"):
         check_row(text, VOCAB, MAX)
     with pytest.raises(RowError, match="not both"):
@@ -142,9 +151,10 @@ rows = st.integers(1, 40).flatmap(
 def test_valid_rows_survive_msgpack(row, data):
     row["nopts"] = data.draw(st.lists(st.integers(2, 26), min_size=len(row["slots"]), max_size=len(row["slots"])))
     wire = msgpack.unpackb(msgpack.packb(row), raw=False)
-    assert check_token_row(wire, VOCAB, MAX) == row
+    want = {**{k: v for k, v in row.items() if k != "nopts"}, "options": row["nopts"]}
+    assert check_token_row(wire, VOCAB, MAX) == want
     arr = check_token_row(wire, VOCAB, MAX, as_array=True)
-    assert arr["ids"].tolist() == row["ids"] and {**arr, "ids": row["ids"]} == row
+    assert arr["ids"].tolist() == row["ids"] and {**arr, "ids": row["ids"]} == want
 
 
 junk = st.recursive(
@@ -155,7 +165,7 @@ junk = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(["ids", "state_len", "slots", "nopts", "x"]), junk) | junk)
+@given(st.dictionaries(st.sampled_from(["ids", "state_len", "slots", "nopts", "options", "x"]), junk) | junk)
 def test_junk_never_crashes(row):
     """Anything msgpack can deliver either passes or raises RowError, never anything else."""
     try:
@@ -166,5 +176,5 @@ def test_junk_never_crashes(row):
             check_token_row(row, VOCAB, MAX, as_array=True)
         assert (e2.value.code, e2.value.message) == (e.code, e.message)
     else:
-        assert set(out) == {"ids", "state_len", "slots", "nopts"}
+        assert set(out) == {"ids", "state_len", "slots", "options"}
         assert check_token_row(row, VOCAB, MAX, as_array=True)["ids"].tolist() == out["ids"]

@@ -39,6 +39,60 @@ def test_import_directions(package, forbidden):
     assert not {k: v for k, v in bad.items() if v}
 
 
+def _statecache_imports() -> dict[str, set[str]]:
+    """statecache's modules -> the statecache modules each imports anywhere (lazy imports inside functions too)."""
+    mods = {}
+    for p in sources("statecache"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+
+    def module_of(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {}
+    for m, p in mods.items():
+        pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                t = module_of(name)
+                # a package's __init__ is not an import of the package by its own modules
+                if t is not None and t != m and not (mods[t].name == "__init__.py" and m.startswith(t + ".")):
+                    out.add(t)
+        edges[m] = out
+    return edges
+
+
+def test_no_import_circles_in_statecache():
+    """No module of statecache reaches itself through imports, lazy ones (inside functions) included: shared pieces
+    live in a lower module instead."""
+    edges = _statecache_imports()
+    circles = []
+    for start in sorted(edges):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            m, path = stack.pop()
+            for t in sorted(edges[m]):
+                if t == start:
+                    circles.append(" -> ".join(path + [t]))
+                elif t not in seen:
+                    seen.add(t)
+                    stack.append((t, path + [t]))
+    assert not circles, circles[:5]
+
+
 def test_the_library_loads_without_the_service():
     """Importing every statecache module (the CLI included) loads neither the worker nor the producer."""
     mods = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in sources("statecache")]
@@ -104,8 +158,8 @@ def test_engine_is_built_from_the_settings():
 
 def test_every_row_error_code_is_in_the_protocol():
     codes = set()
-    for name in ("rows.py", "text.py", "images.py"):
-        codes |= set(re.findall(r'RowError\("([a-z_]+)"', (ROOT / "statecache" / name).read_text()))
+    for path in (ROOT / "statecache").rglob("*.py"):
+        codes |= set(re.findall(r'RowError\("([a-z_]+)"', path.read_text()))
     assert codes and codes <= set(protocol.ERROR_CODES)
 
 

@@ -22,7 +22,7 @@ def test_one_question_chat_template(chatml_tokenizer):
     assert text.startswith("<|im_start|>user\n" + STATE)
     assert text.endswith(ANSWER_CUE + "<|im_end|>\n<|im_start|>assistant\n")
     assert row["slots"] == [len(row["ids"]) - 1]  # the letter would be the assistant's first token
-    assert row["nopts"] == [2]
+    assert [len(o) for o in row["options"]] == [2]
     assert tok.decode(row["ids"][: row["state_len"]]) == "<|im_start|>user\n" + STATE + "\n\n"
     assert "A. yes\nB. no" in text
 
@@ -44,7 +44,7 @@ def test_grown_state_shares_most_tokens(chatml_tokenizer):
 def test_several_questions_each_get_a_slot(chatml_tokenizer):
     tok = chatml_tokenizer
     row = enc(tok, questions=[Q1, Q2])
-    assert row["nopts"] == [2, 3] and len(row["slots"]) == 2
+    assert [len(o) for o in row["options"]] == [2, 3] and len(row["slots"]) == 2
     first, last = row["slots"]
     assert tok.decode(row["ids"][: first + 1]).endswith(question_text(Q1))
     assert tok.decode(row["ids"][first + 1 :]).startswith("\n\n" + question_text(Q2))
@@ -73,7 +73,7 @@ def test_deterministic(chatml_tokenizer):
 def test_letters_up_to_z(chatml_tokenizer):
     q = {"text": "pick", "options": [str(i) for i in range(26)]}
     row = enc(chatml_tokenizer, questions=[q])
-    assert row["nopts"] == [26] and "Z. 25" in chatml_tokenizer.decode(row["ids"])
+    assert [len(o) for o in row["options"]] == [26] and "Z. 25" in chatml_tokenizer.decode(row["ids"])
 
 
 @pytest.mark.parametrize(

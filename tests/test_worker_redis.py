@@ -105,7 +105,8 @@ def test_bad_rows_raise_row_rejected_and_the_worker_goes_on(redis_url, queue_nam
             async with await connect(redis_url, queue_name) as client:
                 with pytest.raises(RowRejected) as e:
                     await client.answer({**ROW, "ids": [1, 2, 3, 10**6]})
-                assert e.value.code == "id_out_of_range" and "ids[3] = 1000000" in e.value.message
+                assert e.value.code == "id_out_of_range" and "ids[3] is outside" in e.value.message
+                assert "1000000" not in e.value.message  # the rule, not the value
                 with pytest.raises(RowRejected, match="bad_nopts"):
                     await client.answer({**ROW, "nopts": [27]})
                 job = await client.pool.enqueue_job("answer", ROW, ROW, _queue_name=queue_name)
@@ -218,17 +219,87 @@ def test_profile_a_running_worker(redis_url, queue_name, engine):
     assert got["phases"]["packed_rows"] + got["phases"]["graph_rows"] + got["phases"]["batched_rows"] + got["phases"]["one_by_one_rows"] >= 1
 
 
-def test_startup_sets_the_thread_switch_interval(redis_url, queue_name, engine):
-    """The worker shortens Python's thread switch interval (STATECACHE_GIL_SWITCH_S) at start-up, so the GPU thread
-    gets the interpreter back from the event loop quickly between a forward's pieces; 0 leaves Python's own."""
-    import sys
+def test_no_password_in_the_clients_errors(caplog):
+    """A Client against an unreachable Redis whose URL carries a password: QueueUnavailable (and the log) name the
+    Redis without it."""
+    from producer.local_redis import free_port
 
-    before = sys.getswitchinterval()
-    try:
-        with InProcessWorker(redis_url, queue_name, lambda: engine, gil_switch_s=0.002):
-            assert abs(sys.getswitchinterval() - 0.002) < 1e-9
-        sys.setswitchinterval(0.004)
-        with InProcessWorker(redis_url, queue_name, lambda: engine, gil_switch_s=0.0):
-            assert abs(sys.getswitchinterval() - 0.004) < 1e-9
-    finally:
-        sys.setswitchinterval(before)
+    url = f"redis://:s3cr3t-pw@127.0.0.1:{free_port()}/0"  # nothing listens there
+
+    async def main():
+        with pytest.raises(QueueUnavailable) as e:
+            await connect(url, "statecache:test:nopw", timeout_s=0.5)
+        return e.value
+
+    with caplog.at_level("WARNING"):
+        err = run(main())
+    assert "redis://:***@127.0.0.1" in str(err), str(err)
+    assert "s3cr3t" not in str(err) and "s3cr3t" not in repr(err.args) and "s3cr3t" not in caplog.text
+
+
+def test_redact_hides_every_form_of_credentials():
+    from statecache.protocol import redact
+    from statecache.settings import Settings
+
+    assert redact("redis://:pw1@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact("rediss://user:pw1@h/0") == "rediss://user:***@h/0"
+    assert redact("redis://pw1@h/0") == "redis://***@h/0"  # a lone user-info part may be a password
+    assert redact("redis://:p@w1@h/0") == "redis://:***@h/0"  # an unescaped @ in the password
+    assert redact("redis://h/0?password=pw1&db=1") == "redis://h/0?password=***&db=1"
+    assert redact("failed at redis://:pw1@a/0, then unix://:pw1@/tmp/r.sock") == \
+        "failed at redis://:***@a/0, then unix://:***@/tmp/r.sock"
+    assert redact("redis://localhost:6379/0") == "redis://localhost:6379/0"
+    assert "pw1" not in repr(Settings(redis_url="redis://:pw1@h/0"))
+
+
+def test_the_clients_jobs_outlive_a_run_again_after_a_kill(redis_url, queue_name, monkeypatch):
+    """With the default settings a Client's job lives (and the Client waits) long enough for a killed worker's job
+    to run again: its in-progress mark (arq's, job timeout + 10 s) expires, then it runs again (a job timeout)."""
+    from arq.worker import Worker
+
+    from statecache.protocol import JOB_KEY_PREFIX
+    from statecache.settings import Settings
+    from worker.settings import worker_settings
+
+    monkeypatch.delenv("STATECACHE_JOB_TIMEOUT_S", raising=False)
+    settings = Settings()
+    mark_s = Worker(**worker_settings(settings)).in_progress_timeout_s  # arq's own figure
+    needed_s = mark_s + settings.job_timeout_s
+
+    async def main():
+        async with await Client.connect(redis_url, queue_name) as client:  # no worker: the job waits
+            task = asyncio.ensure_future(client.answer(ROW))
+            key = await asyncio.wait_for(_job_key(client), 10)
+            ttl_ms = await client.pool.pttl(key)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return ttl_ms, client.timeout_s
+
+    async def _job_key(client):  # the Client's job, once it is in Redis
+        while not (client._waiters and await client.pool.exists(key := JOB_KEY_PREFIX + next(iter(client._waiters)))):
+            await asyncio.sleep(0.01)
+        return key
+
+    ttl_ms, timeout_s = run(main())
+    assert ttl_ms >= (needed_s - 1) * 1000 and timeout_s >= needed_s, (ttl_ms, timeout_s, needed_s)
+    from statecache.protocol import IN_PROGRESS_EXTRA_S, job_lifetime_s
+
+    assert mark_s == settings.job_timeout_s + IN_PROGRESS_EXTRA_S  # the protocol's figure is arq's
+    assert job_lifetime_s(settings.job_timeout_s) == needed_s
+
+
+def test_the_client_is_told_at_once_when_redis_refuses_its_password():
+    """A wrong password is no outage to the Client either: QueueRefused at once, naming the URL without it."""
+    from producer.client import QueueRefused
+
+    with LocalRedis(password="right-pw") as server:
+        wrong = server.url.replace("right-pw", "wrong-pw")
+
+        async def main():
+            t0 = time.monotonic()
+            with pytest.raises(QueueRefused) as e:
+                await connect(wrong, "statecache:test:refused", timeout_s=30)
+            return time.monotonic() - t0, str(e.value)
+
+        took_s, message = run(main())
+    assert took_s < 5 and "redis://:***@127.0.0.1" in message and "wrong-pw" not in message, (took_s, message)

@@ -175,21 +175,35 @@ def test_stop_cancels_rows_still_waiting(engine):
     run(main())
 
 
-def test_a_row_that_does_not_reach_the_model_goes_back_to_the_queue(engine):
-    """A job is never failed for waiting: past half its timeout without reaching the model it is re-queued."""
+def test_a_row_that_does_not_reach_the_model_goes_back_to_the_queue(engine, redis_url):
+    """A job is never failed for waiting: past half its timeout without reaching the model it is re-queued, and
+    the try arq counted when it took the job (arq:retry:<id>) is given back."""
+    import uuid
+
+    from arq.connections import RedisSettings, create_pool
+    from arq.constants import retry_key_prefix
+
     gated = GatedEngine(engine)
     gated.gate.clear()
     gpu = started(gated)
-    ctx = {"gpu": gpu, "settings": Settings(metrics_port=0, job_timeout_s=0.4)}
+    job_id = uuid.uuid4().hex
 
     async def main():
-        blocker = asyncio.ensure_future(gpu.answer(row(61)))
-        await entered(gated)
-        with pytest.raises(Retry):
-            await answer(ctx, row(62))
-        assert gpu.pending() == 0  # withdrawn
-        gated.gate.set()
-        return await blocker
+        redis = await create_pool(RedisSettings.from_dsn(redis_url))
+        await redis.set(retry_key_prefix + job_id, 3)  # arq took it for its third try
+        ctx = {"gpu": gpu, "settings": Settings(metrics_port=0, job_timeout_s=0.4), "redis": redis, "job_id": job_id}
+        try:
+            blocker = asyncio.ensure_future(gpu.answer(row(61)))
+            await entered(gated)
+            with pytest.raises(Retry):
+                await answer(ctx, row(62))
+            assert gpu.pending() == 0  # withdrawn
+            assert await redis.get(retry_key_prefix + job_id) == b"2"  # that try given back
+            gated.gate.set()
+            return await blocker
+        finally:
+            await redis.delete(retry_key_prefix + job_id)
+            await redis.aclose(close_connection_pool=True)
 
     assert "probs" in run(main())
     gpu.stop(5)
@@ -313,37 +327,44 @@ def test_the_poll_skips_jobs_running_here(redis_url, queue_name):
     assert plain == [b"a", b"b", b"c"] and skipped == [b"b"] and len(scored) == 3
 
 
-def test_between_waits_for_enough_rows_or_the_oldest_one():
-    """A long forward's stop (`_between`) takes the waiting rows once `between_min_rows` wait or the oldest has
-    waited `between_wait_s`; until then they stay queued, in order."""
-    import asyncio as aio
+def test_a_cancelled_redis_call_is_cancelled(redis_url, queue_name):
+    """A task cancelled inside any of the worker's Redis calls stops there. Cancels are thrown at every few steps of
+    the event loop into tasks that do nothing but call Redis (commands, pipelines, scripts); with redis-py's socket
+    timeout on, about one in four returned as if never cancelled (Python 3.11's wait_for), and a stopping worker's
+    poll loop or router went on after shutdown had cancelled it (worker.resilient)."""
+    from worker.resilient import ResilientRedis
 
-    from worker.gpu_thread import Ticket
+    async def main():
+        pool = ResilientRedis.from_dsn(redis_url)
+        script = pool.register_script("return redis.call('get', KEYS[1])")
 
-    class Ready:
-        def __init__(self):
-            self.calls = []
+        async def calls(kind: int):
+            while True:
+                if kind == 0:
+                    await pool.get(queue_name)
+                elif kind == 1:
+                    async with pool.pipeline(transaction=False) as p:
+                        p.get(queue_name)
+                        p.zcard(queue_name)
+                        await p.execute()
+                else:
+                    await script(keys=[queue_name])
 
-        def answer_ready(self, rows):
-            self.calls.append(list(rows))
-            return [{"probs": [[1.0]], "path": "hit"} for _ in rows]
+        lost = 0
+        try:
+            for i in range(150):
+                task = asyncio.create_task(calls(i % 3))
+                for _ in range(i % 7 + 1):
+                    await asyncio.sleep(0)
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=0.1)
+                while not task.done():
+                    lost += 1 if not done else 0
+                    done = True
+                    task.cancel()
+                    await asyncio.wait({task}, timeout=0.1)
+            return lost
+        finally:
+            await pool.aclose()
 
-    loop = aio.new_event_loop()
-    try:
-        th = GpuThread(lambda: None, between_min_rows=3, between_wait_s=60.0)
-        th.engine = Ready()
-        tickets = [Ticket("row", k, loop) for k in range(2)]
-        th._items.extend(tickets)
-        th._between()
-        assert th.engine.calls == [] and list(th._items) == tickets  # 2 < 3 and fresh: they wait
-        third = Ticket("row", 2, loop)
-        th._items.append(third)
-        th._between()
-        assert th.engine.calls == [[0, 1, 2]] and not th._items
-        late = Ticket("row", 3, loop)
-        late.submitted -= 61.0  # the oldest has waited past between_wait_s: it goes alone
-        th._items.append(late)
-        th._between()
-        assert th.engine.calls[-1] == [3] and not th._items
-    finally:
-        loop.close()
+    assert run(main()) == 0

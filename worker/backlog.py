@@ -23,9 +23,10 @@ READ_EVERY_S = 0.25  # the Redis backlog (ZCOUNT of ready jobs) is read at most 
 
 
 class Backlog:
-    def __init__(self, redis, queue_name: str, read_every_s: float = READ_EVERY_S):
+    def __init__(self, redis, queue_name: str, read_every_s: float = READ_EVERY_S, also: str | None = None):
         self.redis = redis
         self.queue_name = queue_name
+        self.also = also  # a routed worker (worker.routing): the shared queue's ready ids wait for this worker too
         self.read_every_s = read_every_s
         self.in_flight = 0  # jobs this worker has started and not finished (event loop only)
         self.queued = 0  # last read: ready jobs in Redis that no job of this worker holds
@@ -36,7 +37,8 @@ class Backlog:
 
     async def read(self) -> int:
         ready = await self.redis.zcount(self.queue_name, "-inf", timestamp_ms())  # arq's clock, as its scores
-        self.queued = max(0, ready - self.in_flight)
+        shared = await self.redis.zcount(self.also, "-inf", timestamp_ms()) if self.also else 0
+        self.queued = max(0, ready - self.in_flight) + shared
         return self.queued
 
     async def run(self, metrics=None, pending=lambda: 0) -> None:

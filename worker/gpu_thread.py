@@ -9,9 +9,8 @@ the ready jobs in Redis nobody took plus the rows queued here), and resolve each
 `loop.call_soon_threadsafe`. Grouping by shared state, the memo and the paths are the engine's business;
 handing it the whole drained batch at once is this thread's. After each batch, `on_batch` gets the rows'
 results and timings and a snapshot of `engine.stats()` (for the metrics). While a batch runs a long forward,
-an engine that takes a `between` callback calls it between its chunks; once enough rows wait or the oldest has
-waited long enough (`between_min_rows`, `between_wait_s`), rows that arrived meanwhile and can be answered at
-once (`engine.answer_ready`: memo answers, continuations of saved states) are answered then (they
+an engine that takes a `between` callback calls it between its chunks; rows that arrived meanwhile and can be
+answered at once (`engine.answer_ready`: memo answers, continuations of saved states) are answered then (they
 reach the model and resolve there), the rest stay queued for the next batch (chunked prefill) and are not offered
 again while this batch runs.
 
@@ -65,7 +64,7 @@ class Ticket:
     """One row (or one call) handed to the thread. `reached`/`result` are futures of the submitting loop;
     `reached_at` (time.time()) and `engine_s` (the batch's engine time) are set by the thread."""
 
-    __slots__ = ("kind", "payload", "loop", "reached", "result", "reached_at", "engine_s", "early", "submitted")
+    __slots__ = ("kind", "payload", "loop", "reached", "result", "reached_at", "engine_s", "early")
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
         self.kind, self.payload, self.loop = kind, payload, loop
@@ -74,7 +73,6 @@ class Ticket:
         self.reached_at = 0.0
         self.engine_s = 0.0
         self.early = False  # answered before its batch ended (engine_s: when)
-        self.submitted = time.perf_counter()
 
     def dead(self) -> bool:
         return self.result.cancelled()
@@ -87,16 +85,11 @@ class GpuThread:
         waiting: Callable[[int], int] = lambda pending_rows: pending_rows,
         on_batch: Callable[[list, list, float, dict], None] | None = None,
         max_batch_rows: int = MAX_BATCH_ROWS,
-        between_min_rows: int = 1,
-        between_wait_s: float = 0.0,
     ):
         self._make_engine = make_engine
         self._waiting = waiting
         self._on_batch = on_batch
         self._max_batch_rows = max_batch_rows
-        # `between` takes the waiting rows once at least this many wait or the oldest has waited this long: each stop
-        # costs a batched forward (the weights read once more), so fewer, fuller stops serve more rows per second
-        self._between_min_rows, self._between_wait_s = max(1, between_min_rows), max(0.0, between_wait_s)
         self._items: deque[Ticket] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -106,6 +99,7 @@ class GpuThread:
         self.engine: Any = None
         self.engine_stats: dict = {}  # the last engine.stats() snapshot (taken on this thread after each batch)
         self.busy = False  # a batch is running
+        self._step_at = time.monotonic()  # when the engine last finished a step (a batch, a piece of one: stalled_s)
         self._early: tuple | None = None  # (the running batch's tickets, its start) for answers handed back early
         self._declined: set[Ticket] = set()  # see _run_batch_inner and _between
         self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "engine_errors": 0, "busy_s": 0.0, "between_rows": 0}
@@ -153,6 +147,16 @@ class GpuThread:
         """Rows waiting for the thread, not counting the batch it is running."""
         return len(self._items)
 
+    def stalled_s(self) -> float:
+        """Seconds the engine has been inside one step (since the batch began, or it last called `between` or
+        handed back an answer early); 0 while the thread is idle. The worker's liveness reads it."""
+        return time.monotonic() - self._step_at if self.busy else 0.0
+
+    def making_progress(self, bound_s: float) -> bool:
+        """Idle, or inside a step younger than `bound_s` (0: always): what the worker's health key and readiness
+        stand for (worker.jobs, worker.routing)."""
+        return bound_s <= 0 or self.stalled_s() < bound_s
+
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -198,6 +202,7 @@ class GpuThread:
             batch = []
             while self._items and len(batch) < self._max_batch_rows:
                 batch.append(self._items.popleft())
+            self._step_at = time.monotonic()
             self.busy = True
             return batch
 
@@ -282,6 +287,7 @@ class GpuThread:
     def _on_result(self, i: int, result: dict) -> None:
         """The engine knows row i of the running batch's result before the batch ends (a hit, before a new page's
         long forward): its job gets it now."""
+        self._step_at = time.monotonic()
         early = self._early
         if early is None or not 0 <= i < len(early[0]):
             return
@@ -294,6 +300,7 @@ class GpuThread:
         answered at once (`engine.answer_ready`: memo, batched continuations of saved states) reach the model and
         are resolved now; the others go back to the front of the queue, in order, for the next batch (still
         withdrawable by the intake)."""
+        self._step_at = time.monotonic()  # the engine finished a piece of the running batch
         with self._cv:
             if not self._items or self._stopping:
                 return
@@ -301,9 +308,6 @@ class GpuThread:
             taken = taken[: self._max_batch_rows]
             if not taken:
                 return
-            if (len(taken) < self._between_min_rows
-                    and time.perf_counter() - min(t.submitted for t in taken) < self._between_wait_s):
-                return  # too few, too fresh: they wait for a later stop (or the batch's end)
             ids = {id(t) for t in taken}
             self._items = deque(t for t in self._items if id(t) not in ids)
         t0 = time.perf_counter()
@@ -315,6 +319,7 @@ class GpuThread:
             log.exception("answering rows between chunks failed")
             results = [None] * len(taken)
         engine_s = time.perf_counter() - t0
+        self._step_at = time.monotonic()
         done = [(t, r) for t, r in zip(taken, results) if r is not None]
         back = [t for t, r in zip(taken, results) if r is None]
         if back:

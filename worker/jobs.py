@@ -7,7 +7,14 @@ is never failed for waiting: if its row has not reached the model within half th
 started when the job was taken), the row is withdrawn and the job goes back to Redis (`Retry`), where any
 worker may take it; the intake (`max_jobs`) is sized so that this is rare. Only a cancellation (shutdown)
 propagates otherwise, so arq re-queues the job; answers are deterministic, so a job that runs twice
-(at-least-once delivery) answers the same.
+(at-least-once delivery) answers the same. A job sent back for waiting gets its try back (arq counts a try in
+`arq:retry:<id>` each time a worker takes the job; `MAX_TRIES` is for jobs that fail, not for jobs that wait).
+
+Liveness (`_watch`): the health key and `statecache:worker_ready` are written only while the GPU thread makes
+progress (idle, or its engine step younger than `engine_stuck_s`). An engine stuck longer withdraws them, sends
+the rows still waiting for it back to the queue with their tries given back (the rows inside the stuck step keep
+theirs spent: one of them may be what hangs the engine), lets arq put the rest back, and exits with status
+`EXIT_STUCK` for a supervisor to restart the worker.
 
 `startup` builds everything once: the metrics, the backlog reader, the GPU thread and, on it, the engine (the
 `engine` setting, called with the Settings; by default `statecache.engine:Engine.from_settings`, which
@@ -25,6 +32,7 @@ import importlib
 import inspect
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -32,16 +40,19 @@ from typing import Any
 
 from arq.worker import Retry, Worker
 
-from statecache.protocol import done_channel, error_result
+from statecache.protocol import RETRY_KEY_PREFIX, done_channel, error_result, health_key, private_queue, redact
+from statecache.routing import FingerprintLedger
 from statecache.settings import Settings
 from worker.backlog import Backlog
 from worker.gpu_thread import GpuThread, Stopping
 from worker.metrics import WorkerMetrics
+from worker.routing import Router
 from worker.serial import JobRefused
 
 log = logging.getLogger("statecache.worker")
 
 GPU_STOP_WAIT_S = 2.0  # after the drain, wait this long for the GPU thread's running batch, then exit anyway
+EXIT_STUCK = 70  # sysexits' EX_SOFTWARE: the worker exits with this when its engine is stuck (supervisor: restart it)
 
 
 async def answer(ctx: dict, *args: Any, **kwargs: Any) -> dict:
@@ -50,21 +61,27 @@ async def answer(ctx: dict, *args: Any, **kwargs: Any) -> dict:
     elif not args and set(kwargs) == {"row"}:
         row = kwargs["row"]
     else:
-        return error_result("bad_job", f"answer takes exactly one row, got {len(args)} args and kwargs {sorted(kwargs)}")
+        return error_result("bad_job", f"answer takes exactly one row, got {len(args)} args and {len(kwargs)} kwargs")
     gpu: GpuThread = ctx["gpu"]
     settings: Settings = ctx["settings"]
     try:
         ticket = gpu.submit(row)
     except Stopping:
         raise Retry(defer=1)  # back to the queue for the next worker
+    waiting: dict = ctx.get("waiting_jobs", {})  # job id -> ticket until the row reaches the model (_watch)
+    waiting[ctx.get("job_id")] = ticket
     try:
-        try:
-            await asyncio.wait_for(asyncio.shield(ticket.reached), settings.job_timeout_s / 2)
+        try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for can drop a cancellation (worker.resilient)
+            async with asyncio.timeout(settings.job_timeout_s / 2):
+                await asyncio.shield(ticket.reached)
         except asyncio.TimeoutError:
             if gpu.withdraw(ticket):
                 log.info("job %s waited %.0f s without reaching the model; back to the queue", ctx.get("job_id"),
                          settings.job_timeout_s / 2)
+                await give_tries_back(ctx.get("redis"), [ctx.get("job_id")])
                 raise Retry(defer=0)
+        finally:
+            waiting.pop(ctx.get("job_id"), None)
         result = await ticket.result
     except (asyncio.CancelledError, Retry):
         ticket.result.cancel()  # the GPU thread skips it
@@ -79,6 +96,71 @@ async def answer(ctx: dict, *args: Any, **kwargs: Any) -> dict:
         metrics.row(result, enqueued.timestamp() if enqueued else None, ticket.reached_at if ticket else 0.0,
                     ticket.engine_s if ticket else 0.0, time.time())
     return result
+
+
+async def give_tries_back(redis: Any, job_ids: list) -> None:
+    """Undo the try arq counted when it took these jobs (they go back to the queue for waiting, not for failing)."""
+    if redis is not None and job_ids:
+        async with redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.decr(RETRY_KEY_PREFIX + job_id)
+            await pipe.execute()
+
+
+async def _watch(ctx: dict, arq_worker: Any) -> None:
+    """Liveness: exit when the GPU thread's engine is stuck (module docstring)."""
+    gpu: GpuThread = ctx["gpu"]
+    settings: Settings = ctx["settings"]
+    if settings.engine_stuck_s <= 0:
+        return  # not watched
+    while gpu.making_progress(settings.engine_stuck_s):
+        await asyncio.sleep(min(1.0, settings.engine_stuck_s / 4))
+    ctx["metrics"].ready.set(0)
+    ctx["stuck"] = True
+    withdrawn = [job_id for job_id, ticket in list(ctx["waiting_jobs"].items()) if gpu.withdraw(ticket)]
+    log.error("the engine is stuck: one step has run %.0f s (STATECACHE_ENGINE_STUCK_S=%g); not healthy any more; "
+              "%d waiting rows go back to the queue with their tries, the rest when arq stops; the worker exits with "
+              "status %d for its supervisor to restart it", gpu.stalled_s(), settings.engine_stuck_s, len(withdrawn),
+              EXIT_STUCK)
+    redis = ctx["redis"]
+    if ctx.get("router") is None:  # else the router, stopping, deletes the queue's key if no other worker serves it
+        await redis.delete(arq_worker.health_check_key if arq_worker is not None else health_key(settings.queue))
+    await give_tries_back(redis, withdrawn)
+    if arq_worker is not None:
+        arq_worker.handle_sig(signal.SIGTERM)  # cancels every job (arq puts them back on the queue), then stops
+
+
+def _healthy_only_while_stepping(arq_worker: Any, ctx: dict) -> None:
+    """arq writes its health key from its poll loop, which goes on while the GPU thread hangs: write it only while
+    the engine makes progress."""
+    record = arq_worker.record_health
+
+    async def record_health() -> None:
+        if not ctx.get("stuck") and ctx["gpu"].making_progress(ctx["settings"].engine_stuck_s):
+            await record()
+
+    arq_worker.record_health = record_health
+
+
+def _stop_goes_on_past_cancelled_jobs(arq_worker: Any) -> None:
+    """arq's stop cancels every job task, then its close() gathers them: one whose cancellation landed outside the
+    job function (arq's start transaction, finish, or our after_job_end hook, e.g. publishing the job done) ends
+    cancelled, the gather raises, and on_shutdown (the router handing its queue back, the GPU thread's stop) never
+    runs. Such a task ends quietly here once arq is stopping (its main task cancelled): its result is stored or it
+    is still in Redis to run again (Router.close puts this worker's queue back; arq's in-progress mark expires)."""
+    run_job = arq_worker.run_job
+
+    async def run_job_through_a_stop(job_id: str, score: int) -> None:
+        try:
+            await run_job(job_id, score)
+        except asyncio.CancelledError:
+            main = getattr(arq_worker, "main_task", None)
+            if main is None or not (main.done() or main.cancelling()):
+                raise
+            log.info("job %s: the stop cancelled it outside its function (starting or ending); arq's stop goes on",
+                     job_id)
+
+    arq_worker.run_job = run_job_through_a_stop
 
 
 async def undecodable(ctx: dict, code: str = "undecodable", message: str = "", pickled: bool = False) -> Any:
@@ -99,6 +181,8 @@ async def stats(ctx: dict) -> dict:
     return {
         "engine": engine_stats,
         "worker": {**gpu.counters, "pending": gpu.pending(), "queued": backlog.queued, "in_flight": backlog.in_flight,
+                   **({"routing": {"id": ctx["router"].id, "live": ctx["router"].live, **ctx["router"].counts}}
+                      if ctx.get("router") is not None else {}),
                    **({"timing": ctx["metrics"].timing()} if ctx.get("metrics") is not None else {})},
     }
 
@@ -115,7 +199,7 @@ async def profile(ctx: dict, seconds: float = 5.0, rows: int = 40) -> dict:
         seconds = float(seconds)
         rows = int(rows)
     except (TypeError, ValueError):
-        return error_result("bad_job", f"profile takes seconds (a number) and rows (an int), got {seconds!r}, {rows!r}")
+        return error_result("bad_job", "profile takes seconds (a number) and rows (an int)")
     if not 0 < seconds <= PROFILE_MAX_S or not 0 < rows <= 500:
         return error_result("bad_job", f"profile: seconds in (0, {PROFILE_MAX_S:g}], rows in (0, 500]; got {seconds}, {rows}")
     held: dict = {}
@@ -196,40 +280,56 @@ async def startup(ctx: dict) -> None:
     _ensure_logging()
     settings: Settings = ctx.get("settings") or Settings.from_env()
     redis = ctx["redis"]
-    backlog = Backlog(redis, settings.queue)
+    arq_worker = _arq_worker()
+    # routing (worker.routing): this worker's arq serves a queue of its own, named after its worker id
+    own = private_queue(settings.queue, "")
+    worker_id = (arq_worker.queue_name[len(own):] if arq_worker is not None and arq_worker.queue_name.startswith(own)
+                 else None)
+    backlog = (Backlog(redis, arq_worker.queue_name, also=settings.queue) if worker_id else Backlog(redis, settings.queue))
     gpu: GpuThread | None = None
     metrics = WorkerMetrics(lambda: gpu.engine_stats if gpu is not None else {})
     gpu = GpuThread(
         engine_factory(settings, ctx.get("make_engine")),
         waiting=backlog.waiting,
         on_batch=lambda rows, results, engine_s, st: metrics.batch(results, st),
-        between_min_rows=settings.between_min_rows,
-        between_wait_s=settings.between_wait_s,
     )
-    arq_worker = _arq_worker()
     if arq_worker is not None:
         arq_worker.on_stop = _on_stop(redis, arq_worker)
         if hasattr(redis, "running_here"):  # arq's poll skips the jobs running here without asking Redis each time
             redis.running_here = lambda: {job_id for job_id, task in arq_worker.tasks.items() if not task.done()}
     if hasattr(redis, "on_change"):
         redis.on_change = lambda up: metrics.redis_up.set(1 if up else 0)
-    port = metrics.serve(settings.metrics_port)
-    if settings.gil_switch_s > 0:
-        # The GPU thread launches a long forward's next piece right after a stop; while the event loop holds the
-        # interpreter (decoding rows, Redis replies) it waits up to this interval, and the GPU may run dry meanwhile
-        # (README, "The interpreter")
-        sys.setswitchinterval(settings.gil_switch_s)
+    port = metrics.serve(settings.metrics_port, settings.metrics_addr)
     t0 = time.perf_counter()
-    log.info("statecache worker starting: building the engine (graphs are captured before any job is taken)")
+    log.info("statecache worker starting on %s: building the engine (graphs are captured before any job is taken)",
+             redact(settings.redis_url))
     await asyncio.to_thread(gpu.start)  # the engine (model, cache, graphs) is built once, on the GPU thread
     ctx.update(settings=settings, backlog=backlog, gpu=gpu, metrics=metrics,
                backlog_task=asyncio.create_task(backlog.run(metrics, gpu.pending)))
+    if worker_id:
+        ledger = FingerprintLedger(settings.cache_align)
+        await gpu.call(lambda engine: _observe(engine, ledger))
+        ctx["router"] = Router(redis, settings, worker_id, gpu, ledger, metrics)
+        await ctx["router"].start()
     metrics.ready.set(1)
+    ctx["waiting_jobs"] = {}
+    ctx["watch_task"] = asyncio.create_task(_watch(ctx, arq_worker))
+    if arq_worker is not None:
+        _healthy_only_while_stepping(arq_worker, ctx)
+        _stop_goes_on_past_cancelled_jobs(arq_worker)
     log.info(
         "statecache worker ready in %.1f s: queue %s, engine %s, metrics %s",
         time.perf_counter() - t0, settings.queue, type(gpu.engine).__name__,
-        f"on port {port}" if port else "off",
+        f"on {settings.metrics_addr}:{port}" if port else "off",
     )
+
+
+def _observe(engine: Any, ledger: FingerprintLedger) -> None:
+    """The engine's checkpoint index tells `ledger` what it plants, hits and evicts (run on the GPU thread)."""
+    index = getattr(getattr(engine, "cache", None), "index", None)
+    if index is not None:
+        ledger.align = index.align
+        index.observer = ledger.observe
 
 
 def _arq_worker() -> Any:
@@ -242,8 +342,9 @@ def _arq_worker() -> Any:
 
 def _on_stop(redis: Any, arq_worker: Any):
     """arq's on_stop hook (called once arq has cancelled its main task): Redis calls stop waiting out an outage,
-    and the main task is cancelled again every second while it still runs (a cancellation that lands inside a
-    Redis call can be absorbed there; seen about once in ten stops under pytest)."""
+    and the main task is cancelled again every second while it still runs. A guard: Python 3.11's `wait_for`, which
+    redis-py sends commands through when its socket timeout is set, dropped a cancellation about once in ten stops
+    under pytest; worker.resilient no longer takes that path, and a warning here says something else did."""
 
     def stop(signum: Any) -> None:
         if hasattr(redis, "give_up"):
@@ -263,9 +364,13 @@ def _on_stop(redis: Any, arq_worker: Any):
 
 
 async def shutdown(ctx: dict) -> None:
+    if ctx.get("watch_task") is not None:
+        ctx["watch_task"].cancel()
     task = ctx.get("backlog_task")
     if task is not None:
         task.cancel()
+    if ctx.get("router") is not None:  # arq's jobs are done or cancelled: what is left in its queue goes back
+        await ctx["router"].close()
     metrics: WorkerMetrics | None = ctx.get("metrics")
     if metrics is not None:
         metrics.ready.set(0)
@@ -274,18 +379,28 @@ async def shutdown(ctx: dict) -> None:
     if gpu is None:
         return
     stopped = await asyncio.to_thread(gpu.stop, GPU_STOP_WAIT_S)
-    if stopped:
+    if stopped and not ctx.get("stuck"):
         log.info("GPU thread stopped")
+        return
+    if ctx.get("stuck"):
+        log.error("exiting with status %d: the engine is stuck (see above)", EXIT_STUCK)
+        _exit_now(EXIT_STUCK)
         return
     # The running batch outlived the drain and this wait: its jobs are already back in the queue (arq cancelled
     # them). Interpreter exit with the thread inside torch would abort the process, so end it here, cleanly.
     log.warning("GPU thread still running a batch %.0f s after the drain; its rows are back in the queue; exiting now",
                 GPU_STOP_WAIT_S)
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """End the process with `code`, logs flushed, without joining the GPU thread. A worker run in a thread other than
+    the main one (the tests' in-process worker) does not own its process: there this returns."""
     if threading.current_thread() is threading.main_thread():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
 
 
 async def job_started(ctx: dict) -> None:
@@ -295,6 +410,11 @@ async def job_started(ctx: dict) -> None:
 async def job_ended(ctx: dict) -> None:
     """After arq stored the result: the job no longer counts, and its producer is told to fetch it."""
     ctx["backlog"].in_flight -= 1
+    if ctx.get("router") is not None:
+        try:
+            await ctx["router"].finished(ctx["job_id"])
+        except Exception as e:  # noqa: BLE001 - the router's sweep removes it later
+            log.warning("job %s: taking it off the queue failed: %s", ctx.get("job_id"), e)
     try:
         await ctx["redis"].publish(done_channel(ctx["settings"].queue), ctx["job_id"])
     except Exception as e:  # the producer falls back to polling

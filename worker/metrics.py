@@ -21,6 +21,12 @@ From the worker:
   statecache:queue_waiting_rows               ready jobs in Redis nobody took + rows queued for the GPU thread
   statecache:worker_ready                     1 once the engine is built (graphs captured) and jobs are taken
   statecache:redis_up                         0 while Redis does not answer
+  statecache:routed_rows_total{reason}        rows this worker's dispatcher sent on (worker.routing): to the worker
+                                              holding their state (affinity), to their home (home), away from a
+                                              backed-up worker (shed), to the least loaded (least_loaded)
+  statecache:rows_shed_total                  of those, rows kept off the worker that held (or was home to) their state
+  statecache:rows_taken_total                 rows this worker took, idle, from another worker's queue
+  statecache:workers_live                     live workers on this queue, as this worker last saw them
   statecache:cache_inert                      1 when nothing was planted or reused over the last
                                               `inert_rows` rows the cache was asked about, or it has no budget
                                               (also a warning in the log)
@@ -123,6 +129,11 @@ class WorkerMetrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.waiting = Gauge("statecache:queue_waiting_rows", "ready jobs in Redis nobody took + rows queued for the GPU thread",
                              registry=r)
+        self.routed = Counter("statecache:routed_rows", "rows this worker's dispatcher sent on, by reason", ["reason"],
+                              registry=r)
+        self.shed = Counter("statecache:rows_shed", "rows kept off the worker holding their state (backed up)", registry=r)
+        self.taken = Counter("statecache:rows_taken", "rows taken, idle, from another worker's queue", registry=r)
+        self.workers_live = Gauge("statecache:workers_live", "live workers on this queue", registry=r)
         self.ready = Gauge("statecache:worker_ready", "1 once the engine is built, graphs captured, and jobs are taken", registry=r)
         self.redis_up = Gauge("statecache:redis_up", "1 while Redis answers", registry=r)
         self.inert = Gauge("statecache:cache_inert", "1 when the cache planted and reused nothing lately, or has no budget",
@@ -194,8 +205,8 @@ class WorkerMetrics:
 
     # --- serving ------------------------------------------------------------------------------------------
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int | None:
-        """Serve /metrics on `port` (0: not at all); the port, or None when it could not be bound."""
+    def serve(self, port: int, addr: str) -> int | None:
+        """Serve /metrics on `addr`:`port` (port 0: not at all); the port, or None when it could not be bound."""
         if not port:
             return None
         from prometheus_client import start_http_server
@@ -203,7 +214,7 @@ class WorkerMetrics:
         try:
             self.server, _ = start_http_server(port, addr, registry=self.registry)
         except OSError as e:
-            log.warning("metrics not served: port %d: %s", port, e)
+            log.warning("metrics not served: %s port %d: %s", addr, port, e)
             return None
         return self.server.server_port
 

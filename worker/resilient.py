@@ -7,7 +7,16 @@ until Redis answers. Meanwhile the poll loop, the health key and the results of 
 health key expires, so the worker reads as not healthy; rows already on the GPU are computed and their results
 are stored once Redis is back. Transactions that WATCH keys (arq's job start) re-watch on the new connection;
 one whose EXEC was cut off ends as a `WatchError` (arq then leaves the job in the queue for the next poll).
-After `give_up()` (the worker is stopping) errors are raised as they come.
+After `give_up()` (the worker is stopping) errors are raised as they come. Redis refusing the worker's
+credentials or permissions (statecache.protocol's `REFUSED`: wrong password or user, NOAUTH, WRONGPASS, NOPERM;
+redis-py makes the first ones `ConnectionError`s) is no outage: it is not retried, at start-up or later; the
+worker logs what to fix in `REDIS_URL` and exits with status `EXIT_REFUSED`.
+
+Every call is bounded by `COMMAND_TIMEOUT_S` here, with `asyncio.timeout`, and redis-py's own socket timeout is left
+off: with one set, redis-py sends each command through `asyncio.wait_for`, and Python 3.11's `wait_for` drops a
+cancellation that arrives as the send finishes (the call returns as if never cancelled; about one in four cancels
+thrown at a busy call). In the worker, the router's loop went on after shutdown had cancelled it
+(tests/test_worker_units.py::test_a_cancelled_redis_call_is_cancelled).
 
 Knows redis-py's asyncio client and arq's `ArqRedis`; nothing of jobs or the engine.
 """
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -23,11 +33,23 @@ from arq.connections import ArqRedis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError, WatchError
 
+from statecache.protocol import REFUSED, redact
+
 log = logging.getLogger("statecache.worker")
 
 RETRY_FIRST_S = 0.05
 RETRY_MAX_S = 1.0
+COMMAND_TIMEOUT_S = 10.0  # a command (or pipeline) Redis has not answered in this long counts as a lost connection
 LOST = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
+EXIT_REFUSED = 78  # sysexits' EX_CONFIG: the worker's configuration (REDIS_URL) is wrong; a restart will not help
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 class ResilientRedis(ArqRedis):
@@ -42,14 +64,17 @@ class ResilientRedis(ArqRedis):
         # the ids of jobs this worker is running now (set by worker.jobs at start-up from arq's own task table): see
         # zrangebyscore
         self.running_here: Callable[[], set[str]] | None = None
+        self.url = ""  # REDIS_URL (from_dsn), for the message when Redis refuses it; shown redacted
+        self._refused = False
 
     @classmethod
     def from_dsn(cls, url: str, **kwargs: Any) -> "ResilientRedis":
         from redis.asyncio.connection import ConnectionPool
 
         kwargs.setdefault("socket_connect_timeout", 2)
-        kwargs.setdefault("socket_timeout", 10)
-        return cls(ConnectionPool.from_url(url, **kwargs))
+        redis = cls(ConnectionPool.from_url(url, **kwargs))  # no socket_timeout: COMMAND_TIMEOUT_S (above)
+        redis.url = url
+        return redis
 
     def give_up(self) -> None:
         """From now on, raise connection errors instead of waiting (the worker is stopping)."""
@@ -64,11 +89,21 @@ class ResilientRedis(ArqRedis):
             self.down_since = time.monotonic()
             self.outages += 1
             self._failures = 0
-            log.warning("Redis unreachable (%s: %s); waiting for it, retrying with backoff", type(error).__name__, error)
+            log.warning("Redis unreachable (%s: %s); waiting for it, retrying with backoff", type(error).__name__,
+                        redact(error))
             if self.on_change:
                 self.on_change(False)
         self._failures += 1
         await asyncio.sleep(min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(self._failures, 10)))
+
+    def refused(self, error: BaseException) -> None:
+        """Redis refused the credentials or permissions of REDIS_URL: say what to fix (once) and stop the worker."""
+        if not self._refused:
+            self._refused = True
+            log.error("Redis refused this worker (%s: %s): check REDIS_URL=%s (user and password: "
+                      "redis://user:password@host:port/db; that user's ACL permissions); not retried, the worker stops",
+                      type(error).__name__, redact(error), redact(self.url) or "?")
+        raise SystemExit(EXIT_REFUSED)
 
     def back(self) -> None:
         if not self.up:
@@ -80,7 +115,10 @@ class ResilientRedis(ArqRedis):
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         while True:
             try:
-                result = await super().execute_command(*args, **options)
+                async with asyncio.timeout(COMMAND_TIMEOUT_S):  # a TimeoutError is an OSError: LOST
+                    result = await super().execute_command(*args, **options)
+            except REFUSED as e:
+                self.refused(e)
             except LOST as e:
                 await self.lost(e)
                 continue
@@ -94,6 +132,11 @@ class ResilientRedis(ArqRedis):
         running job per poll: event-loop Python under the GIL the thread that drives the GPU needs
         (bench/worker_overhead.py --engine-ms). Ids arq would skip anyway are dropped here."""
         ids = await super().zrangebyscore(name, *args, **kwargs)
+        odd = [j for j in ids if isinstance(j, bytes) and not _utf8(j)]
+        if odd:  # arq decodes every id outside any job: an id written by hand that is not UTF-8 would end the worker
+            log.warning("removed %d queue entries whose ids are not UTF-8 (not arq job ids)", len(odd))
+            await self.zrem(name, *odd)
+            ids = [j for j in ids if not (isinstance(j, bytes) and not _utf8(j))]
         running = self.running_here() if self.running_here is not None else None
         if not running or kwargs.get("withscores") or (len(args) > 4 and args[4]):
             return ids
@@ -113,10 +156,16 @@ class ResilientPipeline(Pipeline):
         self._watched: list = []
 
     async def immediate_execute_command(self, *args: Any, **options: Any) -> Any:
-        """WATCH and the reads after it, before MULTI: on a lost connection, wait, re-WATCH, read again."""
+        """WATCH and the reads after it, before MULTI: on a lost connection, wait, re-WATCH, read again. A job's
+        queue score of -inf (ZADD by hand) reads as 1 ms, the oldest: arq makes an int of it outside any job."""
         while True:
             try:
-                result = await super().immediate_execute_command(*args, **options)
+                async with asyncio.timeout(COMMAND_TIMEOUT_S):
+                    result = await super().immediate_execute_command(*args, **options)
+                if args and str(args[0]).upper() == "ZSCORE" and isinstance(result, float) and result == -math.inf:
+                    result = 1.0
+            except REFUSED as e:
+                self._owner.refused(e)
             except LOST + (WatchError,) as e:  # redis-py reports a connection lost while watching as WatchError
                 await self._owner.lost(e)
                 await self._rewatch()
@@ -139,7 +188,10 @@ class ResilientPipeline(Pipeline):
         watched = bool(self._watched) or self.explicit_transaction
         while True:
             try:
-                result = await super().execute(raise_on_error)
+                async with asyncio.timeout(COMMAND_TIMEOUT_S):
+                    result = await super().execute(raise_on_error)
+            except REFUSED as e:
+                self._owner.refused(e)
             except LOST as e:
                 await self._owner.lost(e)
                 if watched:  # the WATCH died with the connection: arq treats this as "taken elsewhere"

@@ -13,10 +13,11 @@ from __future__ import annotations
 from arq.connections import RedisSettings
 from arq.worker import func
 
-from statecache.protocol import JOB_ANSWER, JOB_PROFILE, JOB_STATS, JOB_UNDECODABLE
+from statecache.protocol import JOB_ANSWER, JOB_PROFILE, JOB_STATS, JOB_UNDECODABLE, health_key, private_queue
 from statecache.settings import Settings
 from worker.jobs import answer, job_ended, job_started, profile, shutdown, startup, stats, undecodable
 from worker.resilient import ResilientRedis
+from worker.routing import new_worker_id
 from worker.serial import job_deserializer, job_serializer
 
 KEEP_RESULT_S = 600.0  # results stay in Redis this long for the producer to read
@@ -37,15 +38,19 @@ def worker_settings(settings: Settings) -> dict:
         ],
         "redis_settings": RedisSettings.from_dsn(settings.redis_url),
         "redis_pool": pool,
-        "queue_name": settings.queue,
+        # arq serves this worker's own queue; its router (worker.routing) moves the rows meant for it there from
+        # settings.queue, where agents enqueue
+        "queue_name": private_queue(settings.queue, settings.worker_id or new_worker_id()),
         "job_serializer": job_serializer,
         "job_deserializer": job_deserializer(settings.max_job_bytes),
         "poll_delay": settings.poll_delay_s,
         "max_jobs": settings.max_jobs,
         "job_timeout": settings.job_timeout_s,
         "keep_result": KEEP_RESULT_S,
+        "log_results": False,  # arq would log every result's repr (a row's probabilities) at INFO
         "max_tries": MAX_TRIES,
         "health_check_interval": settings.health_interval_s,
+        "health_check_key": health_key(settings.queue),  # the queue's, not the worker's own queue's: what producers check
         "job_completion_wait": settings.drain_s,  # SIGTERM: finish in-flight jobs for up to this long
         "on_startup": startup,
         "on_shutdown": shutdown,
