@@ -16,6 +16,8 @@ import time
 import numpy as np
 import torch
 
+from .contract import MAX_OPTIONS  # option tokens a slot may read (the letters A..Z): the row contract's bound
+
 log = logging.getLogger("statecache.graphs")
 
 
@@ -76,7 +78,6 @@ def try_capture(fn, pool, stats: dict, failures: list[str], what: str):
         stats["capture_s"] += time.perf_counter() - t0
 
 
-MAX_OPTIONS = 26  # option tokens a slot may read (the letters A..Z; statecache.rows checks rows against it)
 
 
 def n_options(spec) -> int:

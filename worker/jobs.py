@@ -124,7 +124,7 @@ async def _watch(ctx: dict, arq_worker: Any) -> None:
               EXIT_STUCK)
     redis = ctx["redis"]
     if ctx.get("router") is None:  # else the router, stopping, deletes the queue's key if no other worker serves it
-        await redis.delete(arq_worker.health_check_key if arq_worker is not None else health_key(settings.queue))
+        await redis.delete(health_key(settings.queue))  # arq's health_check_key too (worker.settings)
     await give_tries_back(redis, withdrawn)
     if arq_worker is not None:
         arq_worker.handle_sig(signal.SIGTERM)  # cancels every job (arq puts them back on the queue), then stops

@@ -132,11 +132,11 @@ class ResilientRedis(ArqRedis):
         running job per poll: event-loop Python under the GIL the thread that drives the GPU needs
         (bench/worker_overhead.py --engine-ms). Ids arq would skip anyway are dropped here."""
         ids = await super().zrangebyscore(name, *args, **kwargs)
-        odd = [j for j in ids if isinstance(j, bytes) and not _utf8(j)]
+        odd = {j for j in ids if isinstance(j, bytes) and not _utf8(j)}
         if odd:  # arq decodes every id outside any job: an id written by hand that is not UTF-8 would end the worker
             log.warning("removed %d queue entries whose ids are not UTF-8 (not arq job ids)", len(odd))
             await self.zrem(name, *odd)
-            ids = [j for j in ids if not (isinstance(j, bytes) and not _utf8(j))]
+            ids = [j for j in ids if j not in odd]
         running = self.running_here() if self.running_here is not None else None
         if not running or kwargs.get("withscores") or (len(args) > 4 and args[4]):
             return ids
