@@ -32,15 +32,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from arq.connections import RedisSettings, create_pool  # noqa: E402
+from arq.connections import create_pool  # noqa: E402
 
 from bench.load_bench import AgentTrace, Worker, model_vocab, unbounded_reuse  # noqa: E402
 from producer.local_redis import LocalRedis  # noqa: E402
 from statecache.protocol import QUEUE_NAME, deserialize, fingerprints_key, live_key, private_queue, serialize  # noqa: E402
+from statecache.redis_url import arq_settings  # noqa: E402
 
 
 async def agents(url: str, trace: AgentTrace, rows_per_agent: int, timeout_s: float) -> list[dict]:
-    pool = await create_pool(RedisSettings.from_dsn(url), job_serializer=serialize, job_deserializer=deserialize)
+    pool = await create_pool(arq_settings(url), job_serializer=serialize, job_deserializer=deserialize)
     out: list[dict] = []
 
     async def agent(i: int) -> None:
@@ -69,7 +70,7 @@ async def agents(url: str, trace: AgentTrace, rows_per_agent: int, timeout_s: fl
 
 async def worker_stats(url: str, alive: list[int]) -> list:
     """Each worker's routing counters: a `stats` job put on the worker's own queue (bench only: agents never do)."""
-    pool = await create_pool(RedisSettings.from_dsn(url), job_serializer=serialize, job_deserializer=deserialize)
+    pool = await create_pool(arq_settings(url), job_serializer=serialize, job_deserializer=deserialize)
     out = []
     try:
         for k in alive:

@@ -3,16 +3,18 @@
 file, and a demo of simulated agents (`statecache-demo`, `python -m producer.demo`).
 
     from arq import create_pool
-    from arq.connections import RedisSettings
-    from producer import serialize, deserialize
+    from producer import arq_settings, serialize, deserialize
 
-    pool = await create_pool(RedisSettings(), job_serializer=serialize, job_deserializer=deserialize)
+    pool = await create_pool(arq_settings("redis://localhost:6379/0"), job_serializer=serialize, job_deserializer=deserialize)
     job = await pool.enqueue_job("answer", row)
     result = await job.result()
 """
 
 from statecache.protocol import ERROR_CODES, JOB_ANSWER, QUEUE_NAME, RemoteJobError, deserialize, serialize
-from producer.client import AnswerTimeout, Client, ClientError, QueueRefused, QueueUnavailable, RowRejected, WorkerError
+from statecache.redis_url import BadRedisURL, arq_settings
+from producer.client import AnswerTimeout, Client, ClientError, QueueError, QueueFull, QueueRefused, QueueUnavailable
+from producer.client import RowRejected, WorkerError
 
-__all__ = ["serialize", "deserialize", "RemoteJobError", "JOB_ANSWER", "QUEUE_NAME", "ERROR_CODES", "Client",
-           "ClientError", "AnswerTimeout", "QueueUnavailable", "QueueRefused", "RowRejected", "WorkerError"]
+__all__ = ["serialize", "deserialize", "RemoteJobError", "JOB_ANSWER", "QUEUE_NAME", "ERROR_CODES", "arq_settings",
+           "BadRedisURL", "Client", "ClientError", "AnswerTimeout", "QueueUnavailable", "QueueRefused", "QueueError",
+           "QueueFull", "RowRejected", "WorkerError"]

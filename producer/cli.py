@@ -4,7 +4,7 @@
 
 Each input line is one row (token form or text form, statecache.protocol); `-` reads stdin. Each output line
 is the worker's result, or `{"error": {"code", "message"}}` for a refused row, a line that is not JSON, a
-timeout or a failed job. Exit status: 0 if every row was answered, 1 if any got an error.
+timeout, a failed job or a Redis error (`queue_error`: Redis full, read-only, ...). Exit status: 0 if every row was answered, 1 if any got an error.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from producer.client import AnswerTimeout, Client, RowRejected, WorkerError
+from producer.client import AnswerTimeout, Client, QueueError, RowRejected, WorkerError
 from statecache.protocol import error_result
 from statecache.settings import Settings
 
@@ -62,6 +62,8 @@ async def answer_all(client: Client, rows: list, concurrency: int, timeout_s: fl
                 return error_result("timeout", str(e))
             except WorkerError as e:
                 return error_result("job_failed", str(e))
+            except QueueError as e:
+                return error_result("queue_error", str(e))
 
     return await asyncio.gather(*[one(r) for r in rows])
 

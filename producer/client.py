@@ -12,11 +12,19 @@ raises one of its own errors, all `ClientError`s:
                      the STATECACHE_JOB_TIMEOUT_S setting: 250 s for the default 120 s), so at-least-once holds
   `QueueUnavailable` (an AnswerTimeout) Redis did not answer for the whole of `timeout_s`
   `QueueRefused`     Redis refused the URL's credentials or permissions (raised at once: not an outage)
+  `QueueError`       Redis answered with another error, named with what to change: `QueueFull` when it is at its
+                     maxmemory and evicts nothing; a read-only replica; MISCONF (cannot persist); a key of another
+                     type. Errors that pass (those three) are waited out with backoff within `timeout_s` first;
+                     no message carries a row's bytes (redis-py quotes a failed command's arguments) or credentials
   `WorkerError`      the job failed in the worker outside any row
 Through a Redis outage (a restart, a failover) the client keeps trying with backoff until its timeout: a job
 enqueued before the outage is still answered once Redis is back (with append-only persistence). A result
 arrives as soon as the worker publishes the job id on the queue's done channel; a missed message costs at most
-one `RESULT_POLL_S` poll. Each result is read once and deleted.
+one `RESULT_POLL_S` poll. Each result is read once (a plain GET, which a Redis at its maxmemory still answers),
+then deleted.
+
+The URL is read as the worker reads REDIS_URL (statecache.redis_url: every form redis-py accepts, `?password=`,
+rediss://, unix://); one redis-py does not accept raises statecache.redis_url.BadRedisURL (a ValueError).
 
 Knows the queue protocol (statecache.protocol); does not know the model or tokenizers.
 """
@@ -29,18 +37,21 @@ import time
 import uuid
 from typing import Any, Iterable
 
-from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.connections import ArqRedis
 from arq.jobs import deserialize_result
-from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError, WatchError
+from redis.exceptions import BusyLoadingError, ConnectionError, OutOfMemoryError, ReadOnlyError, ResponseError, TimeoutError
+from redis.exceptions import WatchError
 
 from statecache.protocol import JOB_ANSWER, JOB_PROFILE, JOB_STATS, RESULT_KEY_PREFIX, RemoteJobError, deserialize, done_channel
 from statecache.protocol import REFUSED, job_lifetime_s, redact, serialize
+from statecache.redis_url import connection_pool
 from statecache.settings import Settings
 
 log = logging.getLogger("statecache.producer")
 
 RESULT_POLL_S = 0.1  # fallback poll for a result when its done message was missed
-RETRY_MAX_S = 1.0  # backoff cap while Redis does not answer
+RETRY_MAX_S = 1.0  # backoff cap while Redis does not answer (or answers with a passing error: QueueError)
+CONNECT_TIMEOUT_S = 1.0  # a connection attempt (unless the URL's socket_connect_timeout says otherwise)
 LOST = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
 
 
@@ -70,7 +81,54 @@ class QueueRefused(ClientError, PermissionError):
 
 def _refused(error: BaseException, where: str) -> QueueRefused:
     return QueueRefused(f"Redis refused the credentials or permissions of {redact(where)} "
-                        f"({type(error).__name__}: {redact(error)}): check the URL's user and password (REDIS_URL)")
+                        f"({type(error).__name__}: {_server_text(error)}): check the URL's user and password (REDIS_URL)")
+
+
+class QueueError(ClientError, RuntimeError):
+    """Redis answered with an error that is neither a lost connection nor refused credentials: out of memory
+    (`QueueFull`), a read-only replica, unable to persist, a key of the wrong type. The message says what Redis
+    said and what to change; it never carries a row's bytes or the URL's credentials."""
+
+
+class QueueFull(QueueError):
+    """Redis is at its maxmemory and evicts nothing (maxmemory-policy noeviction): no room for the job."""
+
+
+def _server_text(error: BaseException) -> str:
+    """Redis's own words for a command's error, without the arguments redis-py adds (a pipeline's error names the
+    command with its arguments: a job's PSETEX carries the row's msgpack bytes), redacted, at most 200 characters."""
+    text = str(error.args[0]) if error.args else ""
+    if " of pipeline caused error: " in text:  # redis-py: "Command # N (CMD ARGS...) of pipeline caused error: (...)"
+        text = text.rsplit(" of pipeline caused error: ", 1)[1].strip().strip("(),").strip("'\"")
+    text = text.split(", with args beginning with", 1)[0]  # an unknown command's error quotes its arguments
+    return redact(text)[:200]
+
+
+# Redis errors that pass (memory is freed as results are read and jobs end; a failover promotes a replica; a disk is
+# fixed): the Client waits them out with backoff within the answer's timeout, then raises the QueueError
+_PASSING_CODES = ("MISCONF", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN")
+
+
+def _passes(error: ResponseError) -> bool:
+    return isinstance(error, (OutOfMemoryError, ReadOnlyError)) or _server_text(error).startswith(_PASSING_CODES)
+
+
+def _queue_error(error: ResponseError, doing: str, queue: str) -> QueueError:
+    """The QueueError for Redis's `error` while the Client did `doing` on `queue`: what Redis said and what to change."""
+    said = f"{type(error).__name__}: {_server_text(error)}"
+    if isinstance(error, OutOfMemoryError):
+        return QueueFull(f"Redis is out of memory and refused to {doing} (queue {queue}; {said}): its used memory is over "
+                         "its maxmemory and its maxmemory-policy evicts nothing. Raise maxmemory (CONFIG SET maxmemory, "
+                         "redis.conf) or free memory on that Redis; keep noeviction (an evicting policy would drop queued "
+                         "jobs)")
+    if isinstance(error, ReadOnlyError):
+        return QueueError(f"Redis refused to {doing} (queue {queue}; {said}): the URL names a read-only replica; point "
+                          "REDIS_URL at the master (after a failover, the new one)")
+    if _server_text(error).startswith("MISCONF"):
+        return QueueError(f"Redis refused to {doing} (queue {queue}; {said}): it refuses writes while it cannot persist "
+                          "to disk; its log says why (disk full, permissions)")
+    return QueueError(f"Redis refused to {doing} (queue {queue}; {said}): check that Redis and that nothing else writes "
+                      f"the queue's keys ({queue}, arq:job:*, arq:result:*) with other types")
 
 
 class WorkerError(ClientError, RuntimeError):
@@ -114,19 +172,14 @@ class Client:
             redis_url, queue_name = redis_url or env.redis_url, queue_name or env.queue
             timeout_s = job_lifetime_s(env.job_timeout_s) if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        settings = RedisSettings.from_dsn(redis_url)
-        settings.conn_retries = 0
-        failures = 0
-        while True:
-            try:
-                pool = await create_pool(settings, job_serializer=serialize, job_deserializer=deserialize,
-                                         default_queue_name=queue_name)
-                break
-            except REFUSED as e:
-                raise _refused(e, redis_url) from e
-            except LOST as e:
-                failures += 1
-                await _backoff(e, failures, deadline, timeout_s, redact(redis_url))
+        # the URL read as the worker reads it (statecache.redis_url: every form redis-py accepts)
+        pool = ArqRedis(connection_pool(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S), job_serializer=serialize,
+                        job_deserializer=deserialize, default_queue_name=queue_name)
+        try:
+            await _ping(pool, deadline, timeout_s, redis_url, queue_name)
+        except BaseException:
+            await pool.aclose(close_connection_pool=True)
+            raise
         client = cls(pool, queue_name, timeout_s)
         client._listener = asyncio.create_task(client._listen())
         try:  # asyncio.timeout, not wait_for: Python 3.11's wait_for can drop a cancellation
@@ -182,15 +235,26 @@ class Client:
         try:
             failures = 0
             while True:
+                problem: ClientError | None = None
                 try:
                     job = await self.pool.enqueue_job(
                         function, *args, _job_id=job_id, _queue_name=self.queue_name, _expires=timeout_s
                     )
                 except REFUSED as e:
-                    raise _refused(e, f"queue {self.queue_name}") from e
+                    problem, passes = _refused(e, f"queue {self.queue_name}"), False
                 except LOST + (WatchError,) as e:
                     failures += 1
                     await _backoff(e, failures, deadline, timeout_s, self.queue_name)
+                    continue
+                # the errors that pass (OOM, READONLY, MISCONF) refuse the transaction whole: nothing of the job was stored,
+                # so sending it again is safe; one at EXEC (WRONGTYPE on the queue's key) is raised at once
+                except ResponseError as e:
+                    problem, passes = _queue_error(e, "store the job", self.queue_name), _passes(e)
+                if problem is not None:  # outside the except block: the Redis error (with the row's bytes) is not kept
+                    if not passes:
+                        raise problem
+                    failures += 1
+                    await _wait_out(problem, failures, deadline)
                     continue
                 if job is None and not failures:
                     raise WorkerError(f"job id {job_id} already exists")
@@ -206,9 +270,11 @@ class Client:
 
     async def _wait(self, job_id: str, done: asyncio.Event, deadline: float, timeout_s: float):
         key = RESULT_KEY_PREFIX + job_id
-        failures = 0
+        failures, passing = 0, None  # passing: the QueueError of a Redis error that passes (_passes), while it lasts
         while True:
             remaining = deadline - time.monotonic()
+            if remaining <= 0 and passing is not None:
+                raise passing
             if remaining <= 0 and failures:
                 raise QueueUnavailable(f"Redis did not answer within {timeout_s:g} s (queue {self.queue_name})")
             if remaining <= 0:
@@ -219,20 +285,37 @@ class Client:
             except asyncio.TimeoutError:
                 pass
             done.clear()
+            problem: ClientError | None = None
             try:
-                async with self.pool.pipeline(transaction=True) as tr:
-                    tr.get(key)
-                    tr.delete(key)
-                    raw, _ = await tr.execute()
+                # a plain GET, no MULTI: Redis at its maxmemory refuses every command queued in a transaction, but a
+                # GET it answers, so a result already stored is read whatever the memory
+                raw = await self.pool.get(key)
             except REFUSED as e:
-                raise _refused(e, f"queue {self.queue_name}") from e
+                problem, passes = _refused(e, f"queue {self.queue_name}"), False
             except LOST as e:
-                failures += 1
+                failures, passing = failures + 1, None
                 await _backoff(e, failures, deadline, timeout_s, self.queue_name)
                 continue
-            failures = 0
+            except ResponseError as e:
+                problem, passes = _queue_error(e, "read the result", self.queue_name), _passes(e)
+            if problem is not None:  # raised outside the except block: the Redis error is not its context
+                if not passes:
+                    raise problem
+                failures, passing = failures + 1, problem
+                await _wait_out(problem, failures, deadline)
+                continue
+            failures, passing = 0, None
             if raw:
+                await self._forget(key)
                 return deserialize_result(raw, deserializer=deserialize)
+
+    async def _forget(self, key: str) -> None:
+        """Delete a result once read (separately from the read: a connection lost here loses no result). Best
+        effort: a result left behind expires with the worker's keep_result (worker.settings.KEEP_RESULT_S)."""
+        try:
+            await self.pool.delete(key)
+        except (ResponseError,) + LOST as e:
+            log.debug("a result read was not deleted (%s); it expires on its own", type(e).__name__)
 
     async def _listen(self) -> None:
         """Wake the waiter of every job id published on the done channel; reconnect on errors."""
@@ -263,6 +346,37 @@ class Client:
                     await pubsub.aclose()
                 except Exception:  # noqa: BLE001 - the connection is gone already
                     pass
+
+
+async def _ping(pool: ArqRedis, deadline: float, timeout_s: float, redis_url: str, queue_name: str) -> None:
+    """PING until Redis answers (backoff through an outage, QueueUnavailable past the deadline); QueueRefused or
+    QueueError at once when it answers with an error."""
+    failures = 0
+    while True:
+        problem: ClientError | None = None
+        try:
+            await pool.ping()
+            return
+        except REFUSED as e:
+            problem = _refused(e, redis_url)
+        except ResponseError as e:
+            problem = _queue_error(e, "answer PING", queue_name)
+        except LOST as e:
+            failures += 1
+            await _backoff(e, failures, deadline, timeout_s, redact(redis_url))
+        if problem is not None:  # raised outside the except block: the Redis error is not its context
+            raise problem
+
+
+async def _wait_out(problem: QueueError, failures: int, deadline: float) -> None:
+    """Sleep the next backoff step while Redis answers with an error that passes (`_passes`); `problem` once past the
+    deadline."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise problem
+    if failures == 1:
+        log.warning("%s; retrying for up to %.0f s", problem, remaining)
+    await asyncio.sleep(min(remaining, RETRY_MAX_S, 0.05 * 2 ** min(failures, 10)))
 
 
 async def _backoff(error: BaseException, failures: int, deadline: float, timeout_s: float, where: str) -> None:

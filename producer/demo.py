@@ -33,12 +33,11 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-import redis as redis_sync
-
 from producer.client import AnswerTimeout, Client, RowRejected, WorkerError, text_row
 from producer.local_redis import LocalRedis, answers, free_port
 from statecache.images import PLACEHOLDER
 from statecache.protocol import health_key, redact
+from statecache.redis_url import sync_client
 from statecache.settings import Settings, child_env, is_set
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,7 +235,7 @@ async def demo(redis_url: str, queue: str, agents: int, seconds: float, every_s:
 
 
 def worker_alive(redis_url: str, queue: str) -> bool:
-    r = redis_sync.Redis.from_url(redis_url)
+    r = sync_client(redis_url)
     try:
         return bool(r.exists(health_key(queue)))
     finally:

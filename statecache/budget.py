@@ -3,7 +3,10 @@
 Pure arithmetic over a `TextConfig` and figures handed in (no torch calls here; `device_free_bytes` is the one
 place that asks torch). The engine calls `cache_budget` after the weights, the static buffers and the captured
 graphs are on the device, with the workspace of the largest forward it may still run (`forward_workspace_bytes`)
-kept free: the cache gets `fraction` of what is left. Knows nothing of the cache's LRU or of which rows come.
+kept free: the cache gets `fraction` of what is left. The host tier's bound (`host_budget`) is the setting, else
+`HOST_FRACTION` of the host's available memory (`host_available_bytes`, /proc/meminfo's MemAvailable), at most
+`HOST_DEFAULT_MAX_MB` (on CUDA the tier is pinned, slab by slab as it fills: statecache.tiers). Knows nothing of the cache's LRU or of
+which rows come.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from .index import plan_chunks
 MIB = 2**20
 CPU_DEFAULT_MB = 1024  # no device memory to measure on the CPU: a fixed bound
 DEFAULT_FRACTION = 0.9
+HOST_FRACTION = 0.5  # of MemAvailable, for the host tier when STATECACHE_HOST_CACHE_MB is unset
+HOST_DEFAULT_MAX_MB = 256 * 1024  # a bound on the pinned memory one worker may come to hold
 STATE_TOKENS = 4096  # "a 4k-token state", the unit the budget is reported in
 
 
@@ -100,3 +105,41 @@ def device_free_bytes(device) -> int | None:
         return None
     free, _total = torch.cuda.mem_get_info(device)
     return int(free)
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    mb: int  # the host tier's bound in MiB (0: no host tier)
+    source: str  # "setting" | "host memory" | "unknown host memory"
+    available_mb: float | None = None
+
+    def describe(self) -> str:
+        text = f"host tier {self.mb} MiB ({self.source}"
+        if self.available_mb is not None and self.source == "host memory":
+            text += f": {HOST_FRACTION:g} x {self.available_mb:.0f} MiB available, at most {HOST_DEFAULT_MAX_MB} MiB"
+        return text + ")"
+
+
+def host_budget(setting_mb: int | None, available_bytes: int | None) -> HostBudget:
+    """The host tier's bound: `setting_mb` when given (0 turns the tier off), else HOST_FRACTION of the available
+    host memory capped at HOST_DEFAULT_MAX_MB (0 when it is unknown)."""
+    if setting_mb is not None:
+        if setting_mb < 0:
+            raise ValueError(f"host cache MiB {setting_mb} must be >= 0")
+        return HostBudget(int(setting_mb), "setting", None if available_bytes is None else available_bytes / MIB)
+    if available_bytes is None:
+        return HostBudget(0, "unknown host memory")
+    return HostBudget(min(HOST_DEFAULT_MAX_MB, int(HOST_FRACTION * available_bytes) // MIB), "host memory",
+                      available_bytes / MIB)
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable of the host (None where there is no /proc/meminfo)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

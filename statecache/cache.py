@@ -5,7 +5,13 @@ whose tokens equal the row's up to it (statecache.index), restores it into the r
 the rest of the state as chunks ending at the planned checkpoint positions (every multiple of `stride`,
 p - `tail`, p), snapshotting after each, then the question [p, n) as the last chunk, which gives the answer.
 The checkpoints one row plants form a group sharing that row's attention K/V of [0, p), stored once.
-An LRU bounded in bytes (states, conv tails and each group's K/V once) is enforced after every row.
+An LRU bounded in bytes (states, conv tails and each group's K/V once) is enforced after every row. What the
+device budget cannot keep moves to the host tier (statecache.index's two tiers; statecache.tiers.HostPool's buffer,
+pinned on CUDA, `host_mb`), dropped from there by its own LRU; a row whose deepest checkpoint is on the host gets it
+copied back into the device budget first (`bring`, evicting others to the host) and runs as a hit.
+Fork points: where a row's state shares an aligned prefix [0, x) with a cached group but no checkpoint sits at x
+(a new page after the same goal and steps), x joins the row's plan (`fork_point`), so the next change reuses [0, x);
+the tokens that prefix held beyond the restored checkpoint count as `tokens_lost`.
 With specialists (the runner's `spec`), a checkpoint also holds the router's feature sum over its tokens and is
 planted under the route its adapter layers ran with; `row` guesses a route and reruns a misprediction.
 
@@ -31,9 +37,11 @@ from typing import Callable
 
 import torch
 
+from .budget import MIB, host_available_bytes, host_budget
 from .graphs import n_options
-from .index import Checkpoint, CheckpointIndex, plan_chunks
+from .index import DEVICE, Checkpoint, CheckpointIndex, plan_chunks, state_end
 from .runner import ChunkRunner
+from .tiers import HostPool
 
 log = logging.getLogger("statecache.cache")
 
@@ -46,6 +54,7 @@ class CacheSettings:
     align: int = 64  # checkpoint positions and chunk starts: multiples of this (fla's delta-rule chunk)
     min_prefix: int = 256  # shorter states take the plain path
     max_slots: int = 4  # answer slots a cached row may have
+    host_mb: int | None = None  # the host tier's bound (MiB); None: from the host's memory (statecache.budget); 0: off
 
 
 @dataclass
@@ -67,20 +76,25 @@ class StateCache:
         self.s = settings or CacheSettings()
         if self.s.max_slots > runner.max_slots:
             raise ValueError(f"max_slots {self.s.max_slots} > the runner's {runner.max_slots}")
-        self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align)
+        self.host_budget = host_budget(self.s.host_mb, host_available_bytes() if self.s.host_mb is None else None)
+        host_bytes = self.host_budget.mb * MIB if self.s.mb > 0 else 0
+        self.index = CheckpointIndex(self.s.mb * 2**20, align=self.s.align, host_budget_bytes=host_bytes)
+        self.host = HostPool(host_bytes, runner.st.S.device) if host_bytes else None  # slabs as it fills
+        self.index.tiers = self.host
         self.last_route = 0  # specialists: the route guessed for a row with no checkpoint
         self.batch = None  # a statecache.batch.BatchRunner: enables rows_batched (text rows, with or without specialists)
         self.between: Callable[[], None] | None = None  # called between a row's state chunks (must not call row)
         self.in_row = False  # True while `between` runs inside a row (rows_batched then leaves reruns to the caller)
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
         self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "tokens_reused": 0,
-                      "tokens_computed": 0, "ckpts_made": 0, "evicted": 0, "mispredict": 0}
+                      "tokens_computed": 0, "ckpts_made": 0, "evicted": 0, "mispredict": 0,
+                      "restored_device": 0, "restored_host": 0, "tokens_lost": 0, "forks": 0}
 
     # ---- what may come here ---------------------------------------------------------------------------------------
 
     def state_end(self, state_len: int) -> int:
-        """p: the state's end rounded down to `align`, where its deepest checkpoint sits (the one place it is derived)."""
-        return state_len - state_len % self.s.align
+        """p: the state's end rounded down to `align`, where its deepest checkpoint sits (statecache.index.state_end)."""
+        return state_end(state_len, self.s.align)
 
     def eligible(self, ids, state_len: int, slots) -> bool:
         """Section 3's eligibility: a long enough state, 1..max_slots slots at or after p, a question that fits
@@ -90,11 +104,39 @@ class StateCache:
             return False
         return min(slots) >= p and self.runner.shape(p, n) is not None
 
-    def plan(self, state_len: int, start: int = 0) -> list[int]:
+    def plan(self, state_len: int, start: int = 0, fork: int = 0) -> list[int]:
         """The checkpoint positions a state of state_len tokens plants, continuing from `start` (0: nothing
-        restored): the chunk ends of statecache.index.plan_chunks, as `row` runs them."""
+        restored), with the fork point `fork` (0: none; `fork_point`): the chunk ends of
+        statecache.index.plan_chunks, as `row` runs them."""
         return plan_chunks(start, state_len, stride=self.s.stride, tail=self.s.tail, align=self.s.align,
-                           max_chunk=self.runner.max_chunk)
+                           max_chunk=self.runner.max_chunk, extra=(fork,) if fork else ())
+
+    def fork_point(self, keys, p: int, c0: int) -> int:
+        """The deepest aligned position x <= p to which a cached group shares the row's tokens (index.shared_depth)
+        when it lies past the restored position c0 (else 0): the prefix [c0, x) is recomputed though it was cached,
+        and counted as `tokens_lost`; planting a checkpoint at x lets the next row sharing it reuse it. Asked once per
+        row that runs, before it plants."""
+        x = self.index.shared_depth(keys, p) if len(self.index) else 0
+        if x <= c0:
+            return 0
+        self.stats["tokens_lost"] += x - c0
+        if x >= p:  # p itself is always planned
+            return 0
+        self.stats["forks"] += 1
+        return x
+
+    def bring(self, c: Checkpoint | None, keys, limit: int, route: int | None = None) -> Checkpoint | None:
+        """The checkpoint a row will restore, on the device: one on the host tier is copied back (statecache.index
+        promote, evicting others to the host); one that cannot fit the device budget at all gives way to the deepest
+        device checkpoint. Counts the row's restore by tier."""
+        if c is not None and c.tier != DEVICE:
+            if self.index.promote(c):
+                self.stats["restored_host"] += 1
+                return c
+            c = self.index.lookup(keys, limit=limit, route=route, host=False)
+        if c is not None:
+            self.stats["restored_device"] += 1
+        return c
 
     def state_bytes(self, state_len: int) -> int:
         """Bytes a new state of state_len tokens takes here once planted: per checkpoint the GDN states and conv
@@ -131,15 +173,17 @@ class StateCache:
             guess = self.guess(best) if known_route is None else known_route
             if best is not None and best.route != guess:
                 best = self.index.lookup(keys, limit=p, route=guess)
-        first = self._run_row(ids, state_len, p, n, slots, nopts, best, guess, images)
+        best = self.bring(best, keys, p, guess if spec is not None else None)
+        fork = self.fork_point(keys, p, best.pos if best is not None else 0)
+        first = self._run_row(ids, state_len, p, n, slots, nopts, best, guess, images, fork)
         if first is None:
             return None
         probs, snaps, route, c0 = first
         computed, start, final = n - c0, best, first
         if spec is not None and route != guess:
             self.stats["mispredict"] += 1
-            start = self.index.lookup(keys, limit=p, route=route)
-            final = self._run_row(ids, state_len, p, n, slots, nopts, start, route, images)
+            start = self.bring(self.index.lookup(keys, limit=p, route=route), keys, p, route)
+            final = self._run_row(ids, state_len, p, n, slots, nopts, start, route, images, fork)
             if final is None:
                 return None
             probs, snaps, _, c0 = final
@@ -164,12 +208,12 @@ class StateCache:
         return best.route if best is not None else self.last_route
 
     def _run_row(self, ids, state_len: int, p: int, n: int, slots, nopts, best: Checkpoint | None, route: int,
-                 images=None):
+                 images=None, fork: int = 0):
         """Restore `best` and run the row (images: its RowImages or None) with `route` -> (probabilities [slots,
         letters] on the host, snapshots to plant, the router's route (the given one without specialists), restored
         position); None when a chunk cannot be run (the row then takes the plain path)."""
         c0 = best.pos if best is not None else 0
-        ends = self.plan(state_len, c0)
+        ends = self.plan(state_len, c0, fork if fork > c0 else 0)
         chunks = []  # (start, end, plant a checkpoint at end)
         s = c0
         for e in ends:
@@ -271,6 +315,12 @@ class StateCache:
         self.index.clear()
 
     def info(self) -> dict:
+        """Counters: rows by path, tokens, checkpoints made; per tier its bytes, checkpoints and groups; restores by
+        tier (restored_device, restored_host) and the host tier's copies (host: copies_up and up_ms are the copies
+        back); evictions by tier and reason (tiers: demoted, dropped_device, dropped_host, replaced, promoted);
+        tokens_lost (see fork_point)."""
         return {**self.stats, **self.runner.stats, "checkpoints": len(self.index), "groups": self.index.n_groups,
-                "bytes": self.index.bytes, "mb": self.s.mb,
+                "bytes": self.index.bytes, "mb": self.s.mb, "host_bytes": self.index.host_bytes,
+                "host_mb": self.index.host_budget_bytes // MIB, **self.index.tier_counts(),
+                "tiers": dict(self.index.counts), **({"host": self.host.info()} if self.host is not None else {}),
                 **({"batch": dict(self.batch.stats, failed=self.batch.failures[:3])} if self.batch is not None else {})}

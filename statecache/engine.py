@@ -1,6 +1,7 @@
 """The engine: a batch of rows in, one result per row out, in order; the one object the worker's GPU thread drives.
 
-For each batch: validate (and tokenise text rows), answer exact repeats from the memo, group the rest by their
+For each batch: validate (and tokenise text rows; a CheckedRow, checked beside the engine's thread by `check_aside`,
+is taken as it is), answer exact repeats from the memo, group the rest by their
 aligned state tokens, then run them short work first (`_run`): the rows that continue from saved states go
 through one batched forward (statecache.batch; hits, and the first row of each grown state, which plants its
 new end), the rows behind grown states through a second; then the new states, one forward each where a planting
@@ -12,7 +13,9 @@ call right after it.
 What a batched call cannot take runs one row at a time through the state cache (restore, chunks). Whether a new
 state is planted is the `cold_ok` policy's decision (statecache.policy), asked once per new state; a declined
 state runs plain and plants nothing. So every forward plants, whatever the backlog; `waiting_rows` (the caller's
-view of the queue) only informs the policy.
+view of the queue) only informs the policy. The checkpoints a batch's rows will restore are pinned in the cache's
+index while the batch runs (the rows are taken: their states are not evicted by the batch's new pages before they
+are read); a checkpoint on the host tier is copied back by the cache when its row runs (StateCache.bring).
 
 A bad row gets an error result; an exception while computing fails only the rows of that group (or of that
 packed forward; a batched call isolates a failing row). With a specialists folder (`specialists=`, checked in
@@ -46,9 +49,9 @@ from .memo import Memo, row_key
 from .model import Qwen35
 from .plain import PlainPath
 from .policy import ColdContext, ColdPolicy, PlantWhenItFits, load_policy
-from .rows import RowError, check_row, error_result
+from .rows import CheckedRow, RowError, check_row, error_result
 from .runner import ChunkRunner
-from .text import answer_tokens
+from .text import answer_tokens, text_bound
 from .specialists import load_specialists
 
 log = logging.getLogger("statecache.engine")
@@ -210,7 +213,7 @@ class Engine:
         if self.device.type == "cuda":
             mem = (f"; torch allocated {torch.cuda.memory_allocated(self.device) / 2**20:.0f} MiB, reserved "
                    f"{torch.cuda.memory_reserved(self.device) / 2**20:.0f} MiB")
-        log.info("%s%s", budget.describe(), mem)
+        log.info("%s%s; %s", budget.describe(), mem, self.cache.host_budget.describe())
         return budget
 
     @classmethod
@@ -284,10 +287,17 @@ class Engine:
         return results  # type: ignore[return-value]
 
     def _prepare(self, i: int, raw):
-        """One row checked (text rows tokenised, images decoded) -> (row, memo key), or its error result (a dict)."""
+        """One row checked (text rows tokenised, images decoded) -> (row, memo key), or its error result (a dict).
+        A CheckedRow (`check_aside`) checked under this engine's limits is taken as it is: not tokenised again."""
+        if isinstance(raw, CheckedRow):
+            if raw.limits == self._limits():
+                if raw.error is not None:
+                    return self._error(*raw.error)
+                return raw.row, row_key(raw.row["ids"], raw.row["slots"], raw.row["options"])
+            raw = raw.raw
         try:
             row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images, as_array=True,
-                            answers=self.answer_tokens)
+                            answers=self.answer_tokens, bound=self._text_bound(self.tokenizer))
             if row.get("images"):
                 from .vision import RowImages
 
@@ -333,12 +343,24 @@ class Engine:
            from saved states are answered there;
         4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
         groups, plain = self._groups(todo)
+        pinned: list = []  # the checkpoints this batch's rows will restore, pinned in the index until the batch ends
+        try:
+            self._run_groups(groups, plain, batch_rows, waiting_rows, results, pinned)
+        finally:
+            for c in pinned:
+                self.cache.index.unpin(c)
+
+    def _run_groups(self, groups, plain, batch_rows: int, waiting_rows: int, results, pinned: list) -> None:
+        """`_run` for rows grouped by state (`_groups`); the checkpoints found for them are pinned into `pinned`."""
         saved, grown, planting, chunked = [], [], [], []  # groups of rows (i, row, key)
         version, found = self.cache.index.version, {}  # memo key -> (checkpoint, index version): the first batched
         # call plans from these lookups instead of repeating them (while nothing is planted, evicted or touched)
         for members in groups.values():
             row = members[0][1]
             best = self.cache.index.lookup(row["mm"].keys if "mm" in row else row["ids"], limit=self._p(row))
+            if best is not None:  # the batch's rows are taken: their states stay until they are read
+                self.cache.index.pin(best)
+                pinned.append(best)
             if best is not None and "mm" in row:  # image rows continue one at a time (multimodal positions)
                 chunked.append(members)
             elif best is not None:
@@ -402,23 +424,53 @@ class Engine:
     def _p(self, row) -> int:
         return self.cache.state_end(row["state_len"])
 
-    def state_key(self, raw) -> tuple | None:
-        """A raw row's state as the cache knows it, for routing (statecache.routing): (key tokens as an int64 array,
-        p = its aligned end, state_len), as `_groups` and the index see them; None for a row the cache does not take
-        (bad, not eligible) or one with images (their key tokens need the images decoded). Safe beside the engine's
-        thread: it reads only the vocabulary and the cache's settings, and tokenises with a copy of the tokenizer of its
-        own (a fast tokenizer's settings are not safe to share between threads)."""
+    def _limits(self) -> tuple:
+        return self.vocab_size, self.max_row_tokens, id(self.tokenizer), id(self.images), id(self.answer_tokens)
+
+    def _text_bound(self, tokenizer):
+        """The TextBound (statecache.text) of this engine's tokenizer, found once per tokenizer (`tokenizer`: it or
+        its copy, the same vocabulary)."""
+        held = self.__dict__.get("_bound")
+        if held is None or held[0] is not self.tokenizer:
+            held = self._bound = (self.tokenizer, None if tokenizer is None else text_bound(tokenizer))
+            log.info("text rows: %s", "no bound before tokenising (not a byte-level BPE)" if held[1] is None else
+                     "a token covers at most %d letters or digits, %d whitespace, %d other ASCII, %d non-ASCII "
+                     "characters (longer rows are too_long untokenised)" % held[1].per_token)
+        return held[1]
+
+    def check_aside(self, raw) -> CheckedRow | None:
+        """A raw row checked (a text row tokenised) exactly as `answer` checks it, away from the engine's thread: a
+        CheckedRow that `answer` then takes as it is (never tokenised twice), or None for a row with images (decoded
+        on the engine's thread) and a row whose check raised something else than a RowError (the engine's thread
+        gives its error). Safe beside the engine's thread: it reads only the vocabulary and the limits, and tokenises
+        with a copy of the tokenizer of its own (a fast tokenizer's settings are not safe to share between threads);
+        call it from one thread at a time (the worker's row thread, worker.prepare)."""
         if not isinstance(raw, dict) or raw.get("images"):
             return None
-        if self.tokenizer is not None and getattr(self, "_route_tokenizer", None) is None:
+        held = self.__dict__.get("_aside")
+        if held is None or held[0] is not self.tokenizer:
             import copy
 
-            self._route_tokenizer = copy.deepcopy(self.tokenizer)
+            held = self._aside = (self.tokenizer, None if self.tokenizer is None else copy.deepcopy(self.tokenizer))
+        limits = self._limits()
         try:
-            row = check_row(raw, self.vocab_size, self.max_row_tokens, getattr(self, "_route_tokenizer", None), None,
-                            as_array=True)
-        except Exception:  # noqa: BLE001 - the worker that takes it gives the error
+            row = check_row(raw, self.vocab_size, self.max_row_tokens, held[1], self.images, as_array=True,
+                            answers=self.answer_tokens, bound=self._text_bound(held[1]))
+        except RowError as e:
+            return CheckedRow(None, (e.code, e.message), limits)
+        except Exception:  # noqa: BLE001 - the engine's thread logs it and gives the error
             return None
+        return CheckedRow(row, None, limits)
+
+    def state_key(self, raw) -> tuple | None:
+        """A row's state as the cache knows it, for routing (statecache.routing): (key tokens as an int64 array,
+        p = its aligned end, state_len), as `_groups` and the index see them; None for a row the cache does not take
+        (bad, not eligible) or one with images (their key tokens need the images decoded). raw: a raw row (checked
+        here by `check_aside`, with its thread rules) or a CheckedRow."""
+        checked = raw if isinstance(raw, CheckedRow) else self.check_aside(raw)
+        if checked is None or checked.row is None:
+            return None
+        row = checked.row
         if not self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
             return None
         return row["ids"], self._p(row), row["state_len"]
@@ -509,7 +561,7 @@ class Engine:
         ctx = ColdContext(state_tokens=self._p(row),
                           state_bytes=self.cache.state_bytes(row["state_len"]), budget_bytes=idx.budget_bytes,
                           used_bytes=idx.bytes, sharing_rows=len(members), batch_rows=batch_rows,
-                          waiting_rows=max(0, int(waiting_rows or 0)))
+                          waiting_rows=max(0, int(waiting_rows or 0)), host_budget_bytes=idx.host_budget_bytes)
         return bool(self.cold_ok(ctx))
 
     def _cached_group(self, members, results) -> list:
@@ -550,7 +602,7 @@ class Engine:
             return []
         entries = list(unique.items())
         rows = [(r["ids"], r["slots"], r["options"], r.get("mm")) for _, (r, _, _) in entries]
-        plans = [self.cache.plan(r["state_len"]) if plant else None for _, (r, _, plant) in entries]
+        plans = [self._cold_plan(r) if plant else None for _, (r, _, plant) in entries]
         left: list = []
         for fwd in self.plain.forwards(rows, plans):
             self._plain_forward([entries[k] for k in fwd], [rows[k] for k in fwd], [plans[k] for k in fwd], results)
@@ -560,6 +612,12 @@ class Engine:
                 left += self._batched(behind, results)
                 self._deliver(results)
         return left
+
+    def _cold_plan(self, row) -> list[int]:
+        """The checkpoint positions a new state plants: the cache's plan, with its fork point (StateCache.fork_point:
+        where it leaves a cached state's tokens) when it has one."""
+        keys = row["mm"].keys if "mm" in row else row["ids"]
+        return self.cache.plan(row["state_len"], fork=self.cache.fork_point(keys, self._p(row), 0))
 
     def _plain_forward(self, entries, rows, plans, results) -> None:
         """One forward of the plain path: entries (memo key, (row, result indices, plants)); a failure fails only

@@ -1,15 +1,16 @@
 """The `cold_ok` policy: may a new state (nothing saved to continue from) be planted now?
 
-This is the one place that decides it. The engine builds a `ColdContext` for each new state it is about to
-run and asks the policy once; yes: the state's first row runs in the batch's packed forward, which plants its
+This is the one place that decides it. The engine (and the step scheduler, statecache.sched, when a new state's
+first piece is granted) builds a `ColdContext` for each new state it is about to run and asks the policy once; yes: the state's first row runs in the batch's packed forward, which plants its
 checkpoints (statecache.plant); no: its rows run plain and nothing is planted. The cache and the plain path
 only carry out the answer. An operator replaces
 the default with any callable `(ColdContext) -> bool`, named by import path in the settings
 (`load_policy("package.module:attr")`).
 
 The default (`PlantWhenItFits`) declines only where planting cannot pay: the state's checkpoints and K/V
-would not fit in the cache's budget (or would take more than `max_share` of it, so holding it would evict
-most of what is there). A backlog does not stop planting: every forward plants, so the next question about
+would not fit in the cache's device budget, or would take more than `max_share` of it, so holding it would evict
+most of what is there, and (with a host tier) more than `max_share` of the host tier too: what a new state evicts
+from the device moves to the host, and the state itself follows there, to be copied back when it is read. A backlog does not stop planting: every forward plants, so the next question about
 the same state finds it.
 
 Knows nothing of the model, tensors, Redis or the worker.
@@ -33,6 +34,7 @@ class ColdContext:
     sharing_rows: int  # rows of this batch that share the state (the row itself included)
     batch_rows: int  # rows in the batch being run
     waiting_rows: int  # rows waiting behind this batch (the backlog the caller sees), 0 when unknown
+    host_budget_bytes: int = 0  # the cache's host tier (0: none)
 
 
 ColdPolicy = Callable[[ColdContext], bool]
@@ -40,12 +42,15 @@ ColdPolicy = Callable[[ColdContext], bool]
 
 @dataclass(frozen=True)
 class PlantWhenItFits:
-    """Plant every new state whose checkpoints fit in `max_share` of the budget; decline the rest."""
+    """Plant every new state whose checkpoints fit in `max_share` of the device budget, or fit the device budget and
+    `max_share` of the host tier; decline the rest."""
 
     max_share: float = 0.5
 
     def __call__(self, ctx: ColdContext) -> bool:
-        return ctx.budget_bytes > 0 and ctx.state_bytes <= self.max_share * ctx.budget_bytes
+        if ctx.budget_bytes <= 0 or ctx.state_bytes > ctx.budget_bytes:
+            return False
+        return ctx.state_bytes <= self.max_share * max(ctx.budget_bytes, ctx.host_budget_bytes)
 
 
 def load_policy(path: str | None) -> ColdPolicy:

@@ -1,9 +1,10 @@
 """The wire protocol between agent services and the worker: job names, the msgpack serialiser pair, the row and
 result schema, error codes and the Redis key names. `producer` and `worker` both import it; it imports neither.
 
-An agent service needs only arq and this module (re-exported by `producer`):
+An agent service needs only arq and this module (re-exported by `producer`; `arq_settings` reads a Redis URL as the
+worker does: statecache.redis_url):
 
-    pool = await create_pool(RedisSettings(), job_serializer=serialize, job_deserializer=deserialize)
+    pool = await create_pool(arq_settings(REDIS_URL), job_serializer=serialize, job_deserializer=deserialize)
     job = await pool.enqueue_job("answer", row)
     result = await job.result()
 
@@ -55,7 +56,8 @@ IN_PROGRESS_KEY_PREFIX = in_progress_key_prefix
 # several workers on one queue (worker.routing): each worker's arq serves a queue of its own; every worker's
 # dispatcher moves ids from QUEUE (where agents enqueue) to the chosen worker's queue
 ROUTE_PREFIX = "statecache:route:"  # + QUEUE + ":workers" (set of worker ids), ":live:<id>" (heartbeat, with a TTL),
-# ":fp:<id>" (hash: fingerprint -> last used, the states the worker holds; statecache.routing)
+# ":draining:<id>" (heartbeat of a worker told to stop, finishing what it runs: takes nothing new), ":fp:<id>" (hash:
+# fingerprint -> last used, the states the worker holds; statecache.routing)
 PRIVATE_QUEUE_INFIX = ":w:"  # QUEUE + this + worker id: the worker's own arq queue
 
 PATHS = ("memo", "hit", "partial", "cold", "plain")
@@ -92,6 +94,7 @@ ERROR_CODES = {
     "bad_json": "an input line that is not JSON",
     "timeout": "no answer within the producer's timeout",
     "job_failed": "the job failed in the worker outside any row",
+    "queue_error": "Redis answered the producer with an error (out of memory at its maxmemory, read-only, ...)",
 }
 
 UNDECODABLE_HINT = (
@@ -301,6 +304,15 @@ def workers_key(queue: str) -> str:
 
 def live_key(queue: str, worker_id: str) -> str:
     return ROUTE_PREFIX + queue + ":live:" + worker_id
+
+
+def draining_key(queue: str, worker_id: str) -> str:
+    return ROUTE_PREFIX + queue + ":draining:" + worker_id
+
+
+def private_queue_pattern(queue: str) -> str:
+    """A SCAN MATCH pattern for every worker's private queue on `queue` (glob characters in the name escaped)."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", queue + PRIVATE_QUEUE_INFIX) + "*"
 
 
 def fingerprints_key(queue: str, worker_id: str) -> str:

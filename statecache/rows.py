@@ -18,6 +18,7 @@ message is stored with the result and may be logged, and a row's content belongs
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,19 @@ def check_token_row(row: Any, vocab_size: int, max_tokens: int, as_array: bool =
     return {"ids": ids, "state_len": state_len, "slots": slots, "options": options}
 
 
+@dataclass(frozen=True)
+class CheckedRow:
+    """A row checked (a text row tokenised) by `check_row` away from the engine's thread (statecache.engine's
+    `Engine.check_aside`): the validated row, or the RowError's (code, message); `limits` (vocab_size, max_tokens)
+    it was checked under. The engine takes it as it is while its limits are the same (else it checks `raw` again).
+    Made in-process only: a row from the queue is never one."""
+
+    row: dict | None
+    error: tuple[str, str] | None
+    limits: tuple[int, int]
+    raw: Any = None
+
+
 def _options(value: Any, n_slots: int, vocab_size: int, nopts: list[int] | None) -> list:
     """A token row's `options`: per slot a list of MIN_OPTIONS..MAX_OPTIONS distinct token ids in [0, vocab_size)
     -> per slot a tuple of ints. With `nopts` too, each slot's count must equal its nopts."""
@@ -143,14 +157,15 @@ def _options(value: Any, n_slots: int, vocab_size: int, nopts: list[int] | None)
 
 
 def check_row(row: Any, vocab_size: int, max_tokens: int, tokenizer: Any = None, images: Any = None,
-              as_array: bool = False, answers: Any = None) -> dict:
+              as_array: bool = False, answers: Any = None, bound: Any = False) -> dict:
     """Either form in, a validated token row out (text rows are tokenised with `tokenizer`). A row with `images`
     needs `images` (the model's statecache.images.ImageSupport) and comes out with `images`: its located ImageRefs.
     as_array: a row without images comes out with `ids` as a read-only int64 array (`check_token_row`); a row with
     images keeps a list (statecache.images and statecache.vision work on lists). answers: the tokenizer's
     statecache.text.AnswerTokens (the engine finds them once at start-up; None: found per call). The row comes out
     with `options`: per slot an option count (a token row's `nopts`: the model's first letters) or a tuple of token
-    ids (a token row's `options`; a text row's letters as its slots read them)."""
+    ids (a token row's `options`; a text row's letters as its slots read them). bound: the tokenizer's
+    statecache.text.TextBound (None: it has none; False: found per call)."""
     if isinstance(row, dict) and "ids" in row and any(k in row for k in TEXT_FIELDS):
         raise RowError("bad_row", "a row is either a token row (ids, ...) or a text row (state, questions), not both")
     has_images = isinstance(row, dict) and row.get("images") not in (None, [], ())
@@ -161,7 +176,7 @@ def check_row(row: Any, vocab_size: int, max_tokens: int, tokenizer: Any = None,
             raise RowError("bad_row", "text rows need a tokenizer; this caller has none")
         from statecache.text import encode_text_row
 
-        row = encode_text_row(row, tokenizer, max_tokens, images, answers)
+        row = encode_text_row(row, tokenizer, max_tokens, images, answers, bound)
         refs = row.pop("images", None)
     else:
         refs = images.prepare(row["images"]) if has_images else None

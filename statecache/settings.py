@@ -32,7 +32,7 @@ def _f(default: Any, env: str, doc: str):
 @dataclass(frozen=True)
 class Settings:
     # --- Redis and the queue
-    redis_url: str = _f("redis://localhost:6379/0", "REDIS_URL", "Redis of the queue (arq's DSN form; AUTH and TLS as in the URL)")
+    redis_url: str = _f("redis://localhost:6379/0", "REDIS_URL", "Redis of the queue: any URL redis-py reads (redis://, rediss:// for TLS, unix://; password and user in the URL or as ?password=, ?username=)")
     queue: str = _f(QUEUE_NAME, "STATECACHE_QUEUE", "arq queue the worker serves (default: arq's own default queue)")
     # --- the model and the engine
     model: str | None = _f(None, "STATECACHE_MODEL", "Hugging Face Qwen3.5 checkpoint folder (default: the built-in tiny model)")
@@ -51,6 +51,7 @@ class Settings:
     # --- the state cache
     cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")
     cache_fraction: float = _f(0.9, "STATECACHE_CACHE_FRACTION", "share of free device memory the cache may take when CACHE_MB is unset")
+    host_cache_mb: int | None = _f(None, "STATECACHE_HOST_CACHE_MB", "host-memory tier for the states the device budget cannot keep, in MiB (pinned on cuda, in 1 GiB slabs allocated as it fills and kept); 0 turns it off (default: half the host's MemAvailable, at most 256 GiB; logged at start-up)")
     cache_stride: int = _f(2048, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
     cache_tail: int = _f(16, "STATECACHE_CACHE_TAIL", "and one this many tokens before the state's end (0: none)")
     cache_align: int = _f(64, "STATECACHE_CACHE_ALIGN", "checkpoint positions are multiples of this")
@@ -101,6 +102,8 @@ class Settings:
                   min_prefix=self.cache_min_prefix, max_slots=self.cache_max_slots)
         if self.cache_mb is not None:
             kw["mb"] = self.cache_mb
+        if self.host_cache_mb is not None:
+            kw["host_mb"] = self.host_cache_mb
         return CacheSettings(**kw)
 
 

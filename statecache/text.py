@@ -21,12 +21,17 @@ template or an image marker puts them; the same strings in a page, a question or
 so a page cannot write a chat turn. Each slot reads its letters' tokens in its context (`answer_tokens`, found once
 per tokenizer: " A" after the cue, "A" at the assistant's reply), given to the row as its `options`.
 
+A text row too long for the limit is refused before anything is tokenised: `text_bound` reads from the tokenizer's
+vocabulary how many characters of each class one token can cover, and a row with more than the limit's worth of one
+class cannot fit (the reasoning is at `TextBound`).
+
 Knows the tokenizer interface (`chat_template`, `apply_chat_template`, `encode`, `get_added_vocab`, a fast
 tokenizer's `backend_tokenizer`) and the row contract; does not know the model or the queue. Deterministic: same row, same tokenizer, same ids.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from dataclasses import dataclass
@@ -40,7 +45,6 @@ ANSWER_CUE = "Answer:"
 STATE_SEP = "\n\n"  # ends the state segment (only when the state is not empty)
 QUESTION_SEP = "\n\n"  # starts every question piece after the first
 MAX_QUESTIONS = 64
-CHARS_PER_TOKEN_BOUND = 64  # text longer than max_tokens * this is too long without tokenising it
 _PLACEHOLDER = "\x00statecache:questions\x00"
 
 
@@ -197,17 +201,132 @@ def answer_tokens(tokenizer: Any) -> AnswerTokens:
     reply = _letter_tokens(tokenizer, [(tail, True)], "", f"at the assistant's reply (after {tail!r})") if tail else None
     return AnswerTokens(cue, reply)
 
+# ---- the text bound: a row refused as too long before any tokenisation -------------------------------------------
+#
+# A byte-level BPE (the Qwen3.5 tokenizers, the tiny model's) turns the normalised text into UTF-8 bytes, splits it
+# into pieces that keep every byte (ByteLevel, Split other than "Removed", Digits, Punctuation) and writes each piece
+# as vocabulary tokens whose bytes add up to the piece's. Give each character to the token holding its first byte:
+# a token of the vocabulary holds at most K[c] first bytes of class c (ASCII letters and digits, ASCII whitespace,
+# other ASCII, non-ASCII characters), so a text with n[c] characters of class c is at least n[c] / K[c] tokens, for
+# every c, however it is split, whatever else the row adds (template, option letters, the pieces the row is cut
+# into only add tokens). So a row with n[c] > max_tokens * K[c] for some class cannot fit: it is refused
+# (`too_long`) from counts over its bytes (C loops, milliseconds for megabytes) before the tokenizer runs, and no row
+# that could fit is ever refused. K is read from the tokenizer's own vocabulary (`text_bound`), not assumed: per
+# class it is the longest run a token of that class can cover (a run of spaces, "=====", a long word), so a page
+# of ordinary text (mostly letters) is bounded by the vocabulary's longest letters-and-digits token, far tighter than
+# one bound for all characters (which a token of 64 spaces would set). The characters are counted after the
+# tokenizer's normaliser (NFC can join characters), each text on its own: in the row every text follows a newline,
+# a space or the template's markup (ChatML's ends with a newline), none of which a character composes with, so the
+# normaliser treats it there as alone (a template whose markup ends in a letter could join one character more per
+# text). ASCII text skips the normaliser where it is a Unicode normal form (which leaves ASCII as it is). A tokenizer of another kind (no byte-level pre-tokeniser, a pre-tokeniser that
+# drops characters, a slow tokenizer) has no bound (None): its rows are tokenised and counted.
+
+_CLASSES = ("letters and digits", "whitespace", "other ASCII", "non-ASCII")
+_ALNUM = bytes(b for b in range(128) if chr(b).isalnum())
+_SPACE = bytes(b for b in range(128) if chr(b).isspace())
+_OTHER = bytes(b for b in range(128) if b not in _ALNUM and b not in _SPACE)
+_NON_ASCII = bytes(range(128, 256))
+_KEEPS_EVERY_CHAR = {"ByteLevel", "Split", "Digits", "Punctuation", "Sequence"}
+_UNICODE_FORMS = {"NFC", "NFD", "NFKC", "NFKD"}
+
+
+def _counts(data: bytes) -> tuple[int, int, int, int]:
+    """Characters of each class in UTF-8 `data`: ASCII bytes by class, and non-ASCII first bytes (0xC0-0xFF)."""
+    n = len(data)
+    alnum = n - len(data.translate(None, _ALNUM))
+    space = n - len(data.translate(None, _SPACE))
+    other = n - len(data.translate(None, _OTHER))
+    lead = n - len(data.translate(None, _NON_ASCII[64:]))  # 0xC0..0xFF start a character; 0x80..0xBF continue one
+    return alnum, space, other, lead
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level alphabet's characters -> their bytes (GPT-2's bytes_to_unicode, inverted)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+def _pre_tokenizer_types(cfg) -> list[dict]:
+    if not cfg:
+        return []
+    return [x for p in cfg.get("pretokenizers", []) for x in _pre_tokenizer_types(p)] if cfg["type"] == "Sequence" else [cfg]
+
+
+def _normaliser_types(cfg) -> list[str]:
+    if not cfg:
+        return []
+    return [x for n in cfg.get("normalizers", []) for x in _normaliser_types(n)] if cfg["type"] == "Sequence" else [cfg["type"]]
+
+
+@dataclass(frozen=True)
+class TextBound:
+    """The most characters of each class one token of this tokenizer covers (see above); `refusal` says whether a
+    row's texts are too long for `max_tokens` tokens without tokenising them."""
+
+    per_token: tuple[int, int, int, int]  # K per class (_CLASSES)
+    normalizer: Any = None  # the backend's normaliser (None: none)
+    ascii_as_is: bool = True  # the normaliser leaves ASCII text as it is
+
+    def counts(self, texts) -> list[int]:
+        total = [0, 0, 0, 0]
+        for t in texts:
+            if self.normalizer is not None and not (self.ascii_as_is and t.isascii()):
+                t = self.normalizer.normalize_str(t)
+            for c, n in enumerate(_counts(t.encode("utf-8", "surrogatepass"))):
+                total[c] += n
+        return total
+
+    def refusal(self, texts, max_tokens: int) -> str | None:
+        """None, or the message of a row whose texts cannot fit in `max_tokens` tokens (one class alone needs more)."""
+        for name, n, k in zip(_CLASSES, self.counts(texts), self.per_token):
+            if n > max_tokens * k:
+                return (f"{n} characters ({name}) of text, at least {-(-n // k)} tokens with this tokenizer (a token "
+                        f"covers at most {k} of them), more than the limit {max_tokens}")
+        return None
+
+
+def text_bound(tokenizer: Any) -> TextBound | None:
+    """This tokenizer's TextBound, read from its vocabulary (found once at start-up, like `answer_tokens`); None for a
+    tokenizer the reasoning above does not cover."""
+    bt = getattr(tokenizer, "backend_tokenizer", None)
+    if bt is None:
+        return None
+    cfg = json.loads(bt.to_str())
+    pre = _pre_tokenizer_types(cfg.get("pre_tokenizer"))
+    if (cfg.get("model") or {}).get("type") != "BPE" or not any(p["type"] == "ByteLevel" for p in pre):
+        return None
+    if any(p["type"] not in _KEEPS_EVERY_CHAR or p.get("behavior") == "Removed" for p in pre):
+        return None
+    to_byte = _byte_decoder()
+    k = [1, 1, 1, 1]
+    for token in bt.get_vocab(with_added_tokens=True):
+        data = bytes(to_byte[ch] for ch in token) if all(ch in to_byte for ch in token) else token.encode()
+        k = [max(a, b) for a, b in zip(k, _counts(data))]
+    norms = _normaliser_types(cfg.get("normalizer"))
+    return TextBound(tuple(k), bt.normalizer, all(n in _UNICODE_FORMS for n in norms))
+
 
 def encode_text_row(row: dict, tokenizer: Any, max_tokens: int, images: Any = None,
-                    answers: AnswerTokens | None = None) -> dict:
+                    answers: AnswerTokens | None = None, bound: TextBound | None | bool = False) -> dict:
     """A text row as a token row `{ids, state_len, slots, options}` (plus `images`: unlocated ImageRefs, when the row
     has any); raises RowError if malformed or too long. images: the model's statecache.images.ImageSupport. answers:
     the tokenizer's AnswerTokens (found at start-up; None: found now). Each slot's options are its letters' tokens
-    in its context: after the cue, or at the assistant's reply for the last question under a chat template."""
+    in its context: after the cue, or at the assistant's reply for the last question under a chat template.
+    bound: the tokenizer's TextBound (found at start-up; None: it has none; False: found now): a row it refuses is
+    `too_long` before anything is tokenised."""
     state, questions = _check_text_row(row)
-    chars = len(state) + sum(len(q["text"]) + sum(map(len, q["options"])) for q in questions)
-    if chars > max_tokens * CHARS_PER_TOKEN_BOUND:
-        raise RowError("too_long", f"{chars} characters of text, far over the limit of {max_tokens} tokens")
+    if bound is False:
+        bound = text_bound(tokenizer)
+    if bound is not None:
+        why = bound.refusal([state, *(t for q in questions for t in (q["text"], *q["options"]))], max_tokens)
+        if why is not None:
+            raise RowError("too_long", why)
     refs, k = [], 0
     if images is not None:
         n_ph = images.check_text(state, "state") + sum(

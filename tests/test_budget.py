@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from statecache import budget as B
+from statecache.cache import CacheSettings
 from statecache.checkpoints import real_shape
 from statecache.config import parse_config
 from statecache.engine import Engine
@@ -60,8 +61,11 @@ def test_engine_on_cpu_takes_the_default_or_the_setting():
     assert eng.budget.source == "setting" and eng.cache.index.budget_bytes == 3 * 2**20
 
 
-def test_eviction_drops_the_tensors():
-    eng = Engine(None, "cpu", "float32", cache_mb=1, cold_ok=lambda ctx: True)  # plant even what barely fits
+@pytest.mark.parametrize("host_mb", [0, 4], ids=["one_tier", "host_tier"])
+def test_eviction_drops_the_tensors(host_mb):
+    """Evicted checkpoints (dropped, or moved to the host tier: their device tensors) are referenced by nobody."""
+    eng = Engine(None, "cpu", "float32", cache_mb=1, cold_ok=lambda ctx: True,  # plant even what barely fits
+                 settings=CacheSettings(host_mb=host_mb))
     gen = torch.Generator().manual_seed(0)
     refs = []
     for k in range(12):
@@ -69,7 +73,8 @@ def test_eviction_drops_the_tensors():
         eng.answer([{"ids": ids, "state_len": 680, "slots": [699], "nopts": [3]}])
         for c in eng.cache.index.lru_order():
             refs += [weakref.ref(t) for t in (*c.payload, *c.group.payload[:2])]
-    assert eng.cache.stats["evicted"] > 0
+    assert eng.cache.stats["evicted"] + eng.cache.index.counts["demoted"] > 0
+    assert (eng.cache.index.counts["demoted"] > 0) == (host_mb > 0)
     gc.collect()
     live = {id(t) for c in eng.cache.index.lru_order() for t in (*c.payload, *c.group.payload[:2])}
     dangling = [r for r in refs if r() is not None and id(r()) not in live]

@@ -154,7 +154,7 @@ def test_interleaved_agents(pad):
 
 @pytest.mark.parametrize("pad", PADS)
 def test_tiny_budget_evicts_least_recently_used(pad):
-    cache = make_cache(pad, mb=1)
+    cache = make_cache(pad, mb=1, host_mb=0)  # one tier (the host tier's own tests: tests/test_host_tier.py)
     budget = cache.index.budget_bytes
     A, B, C, D = (toks(200, s) for s in (21, 22, 23, 24))  # p = 192: checkpoints at 128 and 192
     ask(cache, A + question(5, 1), 200, [204], [4])
@@ -178,7 +178,7 @@ def test_tiny_budget_evicts_least_recently_used(pad):
 
 @pytest.mark.parametrize("pad", PADS)
 def test_state_larger_than_budget_still_answers(pad):
-    cache = make_cache(pad, mb=1)
+    cache = make_cache(pad, mb=1, host_mb=0)
     big = toks(900, 5)  # K/V of [0, 896) alone is 1.75 MiB: nothing of it can be kept
     a = ask(cache, big + question(10, 1), 900, [909], [4])
     b = ask(cache, big + question(10, 2), 900, [909], [4])
@@ -387,6 +387,7 @@ def test_random_rows_match_the_plain_forward(pad, seed, mb, stride, steps):
     cache = make_cache(pad, mb=mb, stride=stride)
     states: dict[int, list[int]] = {}
     planted: set[tuple[int, ...]] = set()  # every prefix the cache was asked to keep (a model without eviction)
+    groups: list[tuple[int, ...]] = []  # the tokens [0, p) of each row that planted
     rows, answers = [], []
     for k, s in enumerate(steps):
         a = s["agent"]
@@ -425,7 +426,16 @@ def test_random_rows_match_the_plain_forward(pad, seed, mb, stride, steps):
         assert ans.reused <= deepest
         if evicted_before == 0:
             assert ans.reused == deepest, (ans.reused, deepest)
-        planted |= {tuple(ids[:q]) for q in _planned(ans.reused, state_len, stride=stride)}
+        # a fork point (StateCache.fork_point): the deepest aligned depth below p to which a cached group's tokens
+        # equal the row's, past what it restored; the deepest over every group planted while nothing was evicted,
+        # each group's depth after (a superset: which of them is still cached is the LRU's business)
+        forks = {max([q for q in range(64, p, 64) if ans.reused < q and g[:q] == tuple(ids[:q])], default=0)
+                 for g in groups} - {0}
+        forks = forks if evicted_before else set(sorted(forks)[-1:])
+        planned = _planned(ans.reused, state_len, stride=stride) | forks
+        planted |= {tuple(ids[:q]) for q in planned}
+        if ans.reused < p:
+            groups.append(tuple(ids[:p]))
         assert cache.index.bytes <= cache.index.budget_bytes
         assert cache.index.bytes == index_bytes_recount(cache)
         assert all(c.pos <= len(c.group.ids) and c.pos % 64 == 0 for c in cache.index.lru_order())

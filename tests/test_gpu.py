@@ -201,6 +201,43 @@ def test_rows_with_options_through_graphs_match_plain(kernels):
             assert eng.cache.batch.stats["captures"] == captures  # the same graphs served other option ids
 
 
+def test_rows_restored_from_the_pinned_host_tier_match_plain(kernels):
+    """The host tier on CUDA (statecache.tiers.HostPool: pinned slabs, copies on the pool's own stream): with a device
+    budget that holds about one state, earlier states move to the host and a row that returns to one is a hit copied
+    back, answering as the plain path's forward of the same row (float32, the tiny model, CUDA graphs)."""
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+    from statecache.index import DEVICE
+
+    eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128, mb=1, host_mb=64),
+                 compile=False)
+    V = eng.vocab_size
+    g = torch.Generator().manual_seed(7)
+    n = 2 * eng.cache.index.budget_bytes // eng.cache.state_bytes(300) + 2  # twice what the device budget holds
+    states = [torch.randint(0, V, (300,), generator=g).tolist() for _ in range(n)]
+
+    def row(s, n):
+        ids = s + torch.randint(0, V, (n,), generator=g).tolist()
+        return {"ids": ids, "state_len": len(s), "slots": [len(ids) - 1], "nopts": [4]}
+
+    for s in states:
+        assert eng.answer([row(s, 8)])[0]["path"] == "cold"
+    assert eng.cache.index.counts["demoted"] > 0 and eng.cache.host.stats["slabs"] >= 1
+    first = eng.cache.index.lookup(states[0], limit=256)
+    assert first is not None and first.pos == 256 and first.tier != DEVICE  # the oldest state went to the host
+    assert eng.cache.host.slabs[0].is_pinned()
+    again = [row(states[0], 9), row(states[1], 11)]
+    for r in again:
+        got = eng.answer([r])[0]
+        want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"])])[0]
+        assert got["path"] == "hit" and got["reused"] == 256
+        assert max(abs(a - b) for a, b in zip(got["probs"][0], want[0])) < 1e-3
+    info = eng.cache.info()
+    assert info["restored_host"] >= 1 and info["host"]["copies_up"] >= 2 and info["host"]["up_ms"] > 0
+    assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
+    assert eng.cache.index.host_bytes <= eng.cache.index.host_budget_bytes
+
+
 def test_delta_states_are_flas_chunk_states(kernels):
     """fla's per-chunk states (delta_states) equal the final state of fla's delta rule over the tokens before each
     chunk, within bf16's rounding of the state; the output is delta's."""

@@ -222,3 +222,74 @@ def test_the_shape_check_counts_what_the_decoder_builds(obj):
     if depth:
         with pytest.raises(JobTooComplex):
             check_job_shape(data, values, depth - 1)
+
+
+def test_a_job_key_of_another_redis_type_fails_that_job_only(redis_url, queue_name, engine):
+    """Issue 32, 2: a hash at arq:job:<id> (the id on the queue) read in the dispatcher's pipeline raised WRONGTYPE for
+    the whole round, on every round: 0 of 8 good rows answered. Now it is one failed job; the 8 are answered."""
+    w = InProcessWorker(redis_url, queue_name, lambda: engine)
+    with w:
+
+        async def main():
+            pool = await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=serialize,
+                                     job_deserializer=deserialize, default_queue_name=queue_name)
+            try:
+                await pool.hset(JOB_KEY_PREFIX + "hash-job", mapping={"f": "answer"})
+                await pool.zadd(queue_name, {"hash-job": 1000})  # the oldest: first in every dispatch round
+                jobs = [await pool.enqueue_job("answer", row(40 + i)) for i in range(8)]
+                good = [await j.result(timeout=40, poll_delay=0.02) for j in jobs]
+                try:
+                    bad = await Job("hash-job", pool, queue_name, _deserializer=deserialize).result(timeout=30, poll_delay=0.02)
+                except Exception as e:  # noqa: BLE001 - the failed job's exception
+                    bad = e
+                return good, bad
+            finally:
+                await pool.aclose(close_connection_pool=True)
+
+        good, bad = asyncio.run(main())
+        assert w.error is None and w._thread.is_alive()
+    assert all("probs" in g for g in good), good
+    assert not isinstance(bad, dict) and "could not be used" in str(bad), bad
+
+
+def test_a_job_id_with_control_characters_is_logged_escaped(redis_url, queue_name, engine, caplog):
+    """Issue 32, 8: a producer names any job id; one with a newline was logged raw (a forged log line)."""
+    caplog.set_level(logging.INFO)
+    evil = "evil\nFORGED statecache worker ready\x1b[2J"
+    w = InProcessWorker(redis_url, queue_name, lambda: engine)
+    with w:
+
+        async def main():
+            pool = await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=serialize,
+                                     job_deserializer=deserialize, default_queue_name=queue_name)
+            try:
+                return await (await pool.enqueue_job("answer", row(50), _job_id=evil)).result(timeout=30, poll_delay=0.02)
+            finally:
+                await pool.aclose(close_connection_pool=True)
+
+        result = asyncio.run(main())
+    assert "probs" in result
+    lines = [r.getMessage() for r in caplog.records]
+    named = [m for m in lines if "evil" in m]
+    assert named and all("evil\\nFORGED" in m and "\n" not in m and "\x1b" not in m for m in named), named
+
+
+def test_a_job_with_queue_score_zero_runs(redis_url, queue_name, engine):
+    """Issue 32, 8: arq skips a job whose queue score is 0 (it tests the score for truth): written by hand with score
+    0, it sat on a worker's private queue until a SIGTERM handed it back. It runs as the oldest job now."""
+    w = InProcessWorker(redis_url, queue_name, lambda: engine)
+    with w:
+
+        async def main():
+            pool = await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=serialize,
+                                     job_deserializer=deserialize, default_queue_name=queue_name)
+            try:
+                await pool.set(JOB_KEY_PREFIX + "score-zero", pack(job(a=[row(51)])))
+                await pool.zadd(queue_name, {"score-zero": 0})
+                return await Job("score-zero", pool, queue_name, _deserializer=deserialize).result(timeout=20, poll_delay=0.02)
+            finally:
+                await pool.aclose(close_connection_pool=True)
+
+        result = asyncio.run(main())
+        assert w.error is None
+    assert "probs" in result

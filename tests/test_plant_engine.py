@@ -82,7 +82,8 @@ def test_random_batches_plant_and_answer_right(seed, mb, pad, batches):
     eng = fresh(mb, pad)
     rng = np.random.default_rng(seed)
     states: list[list[int]] = []
-    half = PlantWhenItFits().max_share * eng.cache.index.budget_bytes
+    ix = eng.cache.index  # what the default policy plants: up to the device budget and half of the larger tier
+    half = min(ix.budget_bytes, PlantWhenItFits().max_share * max(ix.budget_bytes, ix.host_budget_bytes))
     asked_rows: list[dict] = []
     for ops, waiting in batches:
         rows = []
@@ -115,7 +116,7 @@ def test_random_batches_plant_and_answer_right(seed, mb, pad, batches):
         assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
         assert eng.cache.index.bytes == index_bytes_recount(eng.cache)
         asked = eng.cold_ok.asked[asked_before:]
-        for ctx, ok in asked:  # the default policy: declines only what half the budget cannot hold
+        for ctx, ok in asked:  # the default policy: declines only what the budgets cannot hold
             assert ok == (ctx.state_bytes <= half) and ctx.waiting_rows == waiting and ctx.batch_rows == len(rows)
         declined_tokens = {ctx.state_tokens for ctx, ok in asked if not ok}
         planted_states = {}

@@ -179,3 +179,17 @@ def test_agent_side_and_worker_settings_load_without_torch():
     """An agent service importing `producer` (or arq's CLI loading the worker's settings) does not load torch."""
     code = "import sys, producer, producer.cli, worker.settings\nassert 'torch' not in sys.modules\n"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+
+
+def test_the_scheduler_is_torch_free():
+    """statecache.sched imports no torch anywhere (lazy imports inside functions too), and importing all of it loads
+    none: the scheduler's tests and bench/step_sim.py run without it."""
+    pkg = ROOT / "statecache" / "sched"
+    mods = sorted(pkg.rglob("*.py"))
+    assert mods
+    for p in mods:
+        assert "torch" not in imported_top_levels(p), p
+    code = ("import sys\nimport statecache.sched\n" + "".join(f"import statecache.sched.{p.stem}\n" for p in mods
+                                                              if p.stem != "__init__")
+            + "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})

@@ -249,17 +249,21 @@ def test_cached_patterns_with_mispredictions(pad):
         assert cache.index.lookup(list(c.group.tokens), limit=c.pos, route=c.route) is not None
 
 
+@pytest.mark.parametrize("host_mb", [0, 4], ids=["one_tier", "host_tier"])
 @pytest.mark.parametrize("pad", PADS)
-def test_evictions_with_routes(pad):
-    """A budget of 1 MiB holds a few states: rows of several agents interleaved, guesses forced wrong half the time."""
+def test_evictions_with_routes(pad, host_mb):
+    """A budget of 1 MiB holds a few states: rows of several agents interleaved, guesses forced wrong half the time
+    (with a 4 MiB host tier: checkpoints of routes go to the host and come back)."""
     _, _, _, spec = world()
-    cache = make_cache(pad, spec, mb=1)
+    cache = make_cache(pad, spec, mb=1, host_mb=host_mb)
     states = [toks(260 + 20 * k, 10 + k) for k in range(4)]
     for step in range(10):
         S = states[step % 4]
         qq = toks(10 + step, 200 + step)
         ask(cache, S + qq, len(S), [len(S) + len(qq) - 1], [4], guess=(step % len(ROUTES)) if step % 2 else None)
-    assert cache.stats["evicted"] > 0
+        assert cache.index.bytes <= cache.index.budget_bytes and cache.index.host_bytes <= cache.index.host_budget_bytes
+    assert (cache.stats["evicted"] if host_mb == 0 else cache.index.counts["demoted"]) > 0
+    assert (cache.stats["restored_host"] > 0) == (host_mb > 0)
 
 
 def test_one_graph_serves_every_route(fake_graphs):  # noqa: F811

@@ -290,6 +290,27 @@ def test_metrics_read_engine_stats_defensively():
     assert m.inert._value.get() == 1
 
 
+def test_metrics_carry_the_cache_tiers():
+    """statecache:cache_tier_* and the host tier's copies from engine.stats()['cache'] (statecache.cache.info)."""
+    from prometheus_client import generate_latest
+
+    stats = {"cache": {"bytes": 10, "host_bytes": 30, "device_checkpoints": 2, "host_checkpoints": 5,
+                       "restored_device": 7, "restored_host": 3, "tokens_lost": 128,
+                       "tiers": {"demoted": 4, "dropped_device": 1, "dropped_host": 2, "replaced": 0},
+                       "host": {"copies_up": 3, "up_ms": 1500.0}}}
+    f = engine_figures(stats)
+    assert f["tier_bytes"] == {"device": 10, "host": 30} and f["tier_restores"] == {"device": 7, "host": 3}
+    assert f["host_copy_back_seconds"] == 1.5 and f["tokens_lost_no_checkpoint"] == 128
+    assert f["tier_evictions"][("device", "to_host")] == 4 and f["tier_evictions"][("host", "dropped")] == 2
+    assert engine_figures({})["tier_bytes"] == {"device": 0, "host": 0}
+    m = WorkerMetrics(engine_stats=lambda: stats)
+    text = generate_latest(m.registry).decode()
+    assert 'statecache:cache_tier_bytes{tier="host"} 30.0' in text
+    assert 'statecache:cache_tier_evictions_total{reason="to_host",tier="device"} 4.0' in text
+    assert 'statecache:cache_restores_total{tier="host"} 3.0' in text
+    assert "statecache:cache_tokens_lost_total 128.0" in text
+
+
 def test_import_callable():
     assert import_callable("tests.fakes:GatedEngine") is GatedEngine
     assert import_callable("os.path:join.__name__") == "join"

@@ -1,7 +1,8 @@
 """The arq job functions (`answer`, `stats`, the stand-in for undecodable jobs) and the worker's start-up,
 shutdown and per-job hooks.
 
-`answer` hands its row to the GPU thread and awaits the result; it never raises for a bad row or a failed
+`answer` has its row checked (a text row tokenised) off the loop, once (worker.prepare: the router's tokens when it
+routed the row here), hands it to the GPU thread and awaits the result; it never raises for a bad row or a failed
 engine call (arq would store the exception, and a job is worth an answer): it returns an error result. A job
 is never failed for waiting: if its row has not reached the model within half the job timeout (arq's timer
 started when the job was taken), the row is withdrawn and the job goes back to Redis (`Retry`), where any
@@ -22,6 +23,11 @@ captures every graph before it returns). Only then does arq's poll loop start, s
 `statecache:worker_ready`) appear after precapture. In-process callers (tests) may put `settings` and/or
 `make_engine` (a callable of no arguments) in arq's ctx.
 
+Told to stop (SIGTERM, SIGINT, the stuck-engine watch), the worker's router stops routing to it at once
+(`_stop_routing_when_told`, worker.routing's Router.stop) before arq's drain. A job whose arq keys are of another
+Redis type (a hash at arq:retry:<id>) fails alone instead of ending the worker (`_a_bad_key_fails_its_job`). Log
+lines naming job ids (a producer's choice) have their control characters escaped (`EscapeControl`).
+
 Knows arq, the GPU thread and the metrics; the row format is the engine's business.
 """
 
@@ -32,6 +38,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -46,6 +53,7 @@ from statecache.settings import Settings
 from worker.backlog import Backlog
 from worker.gpu_thread import GpuThread, Stopping
 from worker.metrics import WorkerMetrics
+from worker.prepare import RowPrep
 from worker.routing import Router
 from worker.serial import JobRefused
 
@@ -64,6 +72,8 @@ async def answer(ctx: dict, *args: Any, **kwargs: Any) -> dict:
         return error_result("bad_job", f"answer takes exactly one row, got {len(args)} args and {len(kwargs)} kwargs")
     gpu: GpuThread = ctx["gpu"]
     settings: Settings = ctx["settings"]
+    if ctx.get("rows") is not None:  # checked and tokenised off the loop, once (worker.prepare)
+        row = await ctx["rows"].take(row)
     try:
         ticket = gpu.submit(row)
     except Stopping:
@@ -163,6 +173,74 @@ def _stop_goes_on_past_cancelled_jobs(arq_worker: Any) -> None:
     arq_worker.run_job = run_job_through_a_stop
 
 
+def _stop_routing_when_told(arq_worker: Any, router: Router) -> None:
+    """A worker told to stop takes nothing new from that moment (worker.routing, Router.stop): arq's signal handlers
+    (SIGTERM, SIGINT: stop picking jobs, drain, stop) and its handle_sig (the stuck-engine watch, an in-process
+    stop) first tell the router. arq registered its handlers as bound methods when it was built, so they are
+    registered again here."""
+    handle_sig = arq_worker.handle_sig
+
+    def told(signum: Any) -> None:
+        router.stop_soon()
+        handle_sig(signum)
+
+    arq_worker.handle_sig = told
+    if getattr(arq_worker, "_handle_signals", False):
+        handler = arq_worker.handle_sig_wait_for_completion if arq_worker._job_completion_wait else handle_sig
+
+        def on_signal(signum: Any) -> None:
+            router.stop_soon()
+            handler(signum)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            arq_worker._add_signal_handler(sig, on_signal)
+
+
+def _a_bad_key_fails_its_job(arq_worker: Any, ctx: dict) -> None:
+    """arq's run_job reads and counts a job in one transaction (GET arq:job:<id>, INCR arq:retry:<id>) and stores its
+    end in another, outside any try block: a key of another Redis type there (a hash at arq:retry:<id>, written by
+    hand) raised out of the job's task, and the poll loop ended the worker, on every restart. Such a job fails here
+    instead: its keys are cleaned up the way arq cleans up a failed job (DEL works on any type), a failed result is
+    stored unless one is there already (SET replaces any type), it leaves both queues, and the worker goes on."""
+    from arq.constants import abort_jobs_ss
+    from arq.jobs import serialize_result
+    from arq.worker import JobExecutionFailed
+    from redis.exceptions import ResponseError
+
+    from statecache.protocol import IN_PROGRESS_KEY_PREFIX, JOB_KEY_PREFIX, RESULT_KEY_PREFIX
+
+    run_job = arq_worker.run_job
+
+    async def run_job_or_fail_it(job_id: str, score: int) -> None:
+        try:
+            await run_job(job_id, score)
+        except ResponseError as e:
+            start_ms = int(time.time() * 1000)
+            message = f"a Redis key of this job could not be used ({str(e)[:200]}); the job failed"
+            log.error("job %s: %s", job_id, message)
+            pool = arq_worker.pool
+            result = serialize_result("<unknown>", (), {}, 1, 0, False, JobExecutionFailed(message), start_ms,
+                                      start_ms, f"{job_id}:<unknown>", arq_worker.queue_name, job_id=job_id,
+                                      serializer=arq_worker.job_serializer)
+            stored = await pool.type(RESULT_KEY_PREFIX + job_id)
+            async with pool.pipeline(transaction=False) as pipe:
+                pipe.delete(RETRY_KEY_PREFIX + job_id, IN_PROGRESS_KEY_PREFIX + job_id, JOB_KEY_PREFIX + job_id)
+                pipe.zrem(arq_worker.queue_name, job_id)
+                pipe.zrem(abort_jobs_ss, job_id)
+                if stored not in (b"string", "string") and result is not None:
+                    pipe.set(RESULT_KEY_PREFIX + job_id, result, px=int(arq_worker.keep_result_s * 1000))
+                await pipe.execute(raise_on_error=False)
+            arq_worker.jobs_failed += 1
+            if ctx.get("router") is not None:
+                await ctx["router"].finished(job_id)
+            try:
+                await ctx["redis"].publish(done_channel(ctx["settings"].queue), job_id)
+            except Exception as e2:  # noqa: BLE001 - the producer falls back to polling
+                log.warning("publishing job %s done failed: %s", job_id, e2)
+
+    arq_worker.run_job = run_job_or_fail_it
+
+
 async def undecodable(ctx: dict, code: str = "undecodable", message: str = "", pickled: bool = False) -> Any:
     """What runs in place of a job worker.serial could not (or would not) decode."""
     metrics: WorkerMetrics | None = ctx.get("metrics")
@@ -181,6 +259,7 @@ async def stats(ctx: dict) -> dict:
     return {
         "engine": engine_stats,
         "worker": {**gpu.counters, "pending": gpu.pending(), "queued": backlog.queued, "in_flight": backlog.in_flight,
+                   **({"rows": dict(ctx["rows"].counts)} if ctx.get("rows") is not None else {}),
                    **({"routing": {"id": ctx["router"].id, "live": ctx["router"].live, **ctx["router"].counts}}
                       if ctx.get("router") is not None else {}),
                    **({"timing": ctx["metrics"].timing()} if ctx.get("metrics") is not None else {})},
@@ -267,7 +346,35 @@ def engine_factory(settings: Settings, make_engine: Any = None):
     return build
 
 
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+ESCAPED_LOGGERS = ("arq.worker", "arq.jobs", "arq.connections", "statecache.worker")  # the loggers that name job ids
+
+
+class EscapeControl(logging.Filter):
+    """Job ids are the producer's (a bare enqueue_job may name any): a log line naming one with a newline could
+    forge log lines. Every record of ESCAPED_LOGGERS is formatted once here with its control characters escaped
+    (\\n, \\x1b, ...); tracebacks (exc_info) are the formatter's, untouched."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format: the handler reports it as usual
+            return True
+        if CONTROL.search(text):
+            record.msg = CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+            record.args = ()
+        return True
+
+
+def _escape_control_characters() -> None:
+    for name in ESCAPED_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, EscapeControl) for f in logger.filters):
+            logger.addFilter(EscapeControl())
+
+
 def _ensure_logging() -> None:
+    _escape_control_characters()
     root, ours = logging.getLogger(), logging.getLogger("statecache")
     if not root.handlers and not ours.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -304,19 +411,24 @@ async def startup(ctx: dict) -> None:
     log.info("statecache worker starting on %s: building the engine (graphs are captured before any job is taken)",
              redact(settings.redis_url))
     await asyncio.to_thread(gpu.start)  # the engine (model, cache, graphs) is built once, on the GPU thread
-    ctx.update(settings=settings, backlog=backlog, gpu=gpu, metrics=metrics,
+    ctx.update(settings=settings, backlog=backlog, gpu=gpu, metrics=metrics, rows=RowPrep(gpu),
                backlog_task=asyncio.create_task(backlog.run(metrics, gpu.pending)))
+    # ready before the router's first beat writes the queue's health key: both say the same thing to operators (a
+    # scrape that found the key and a 0 here raced the router's start)
+    metrics.ready.set(1)
     if worker_id:
         ledger = FingerprintLedger(settings.cache_align)
         await gpu.call(lambda engine: _observe(engine, ledger))
-        ctx["router"] = Router(redis, settings, worker_id, gpu, ledger, metrics)
+        ctx["router"] = Router(redis, settings, worker_id, gpu, ledger, metrics, prep=ctx["rows"])
         await ctx["router"].start()
-    metrics.ready.set(1)
     ctx["waiting_jobs"] = {}
     ctx["watch_task"] = asyncio.create_task(_watch(ctx, arq_worker))
     if arq_worker is not None:
         _healthy_only_while_stepping(arq_worker, ctx)
         _stop_goes_on_past_cancelled_jobs(arq_worker)
+        _a_bad_key_fails_its_job(arq_worker, ctx)
+        if ctx.get("router") is not None:
+            _stop_routing_when_told(arq_worker, ctx["router"])
     log.info(
         "statecache worker ready in %.1f s: queue %s, engine %s, metrics %s",
         time.perf_counter() - t0, settings.queue, type(gpu.engine).__name__,
@@ -371,6 +483,8 @@ async def shutdown(ctx: dict) -> None:
         task.cancel()
     if ctx.get("router") is not None:  # arq's jobs are done or cancelled: what is left in its queue goes back
         await ctx["router"].close()
+    if ctx.get("rows") is not None:
+        ctx["rows"].close()
     metrics: WorkerMetrics | None = ctx.get("metrics")
     if metrics is not None:
         metrics.ready.set(0)

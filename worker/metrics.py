@@ -16,7 +16,11 @@ From the last `engine.stats()` snapshot (read defensively: absent keys read as 0
   statecache:graph_captures_total, statecache:graph_capture_seconds_total (chunk, batched and plain graphs;
   precapture included), statecache:batched_forwards_total, statecache:batched_sequences_total (batched
   continuations, statecache.batch), statecache:engine_load_seconds (weights), statecache:precapture_seconds,
-  statecache:device_memory_bytes{kind} (allocated, reserved, peak_allocated, free, total; CUDA only)
+  statecache:device_memory_bytes{kind} (allocated, reserved, peak_allocated, free, total; CUDA only),
+  statecache:cache_tier_bytes{tier}, statecache:cache_tier_checkpoints{tier} (device, host),
+  statecache:cache_restores_total{tier}, statecache:cache_tier_evictions_total{tier,reason},
+  statecache:cache_host_copies_back_total, statecache:cache_host_copy_back_seconds_total,
+  statecache:cache_tokens_lost_total (recomputed though a cached state shared them: no checkpoint there)
 From the worker:
   statecache:queue_waiting_rows               ready jobs in Redis nobody took + rows queued for the GPU thread
   statecache:worker_ready                     1 once the engine is built (graphs captured) and jobs are taken
@@ -81,6 +85,17 @@ def engine_figures(stats: dict) -> dict:
         # rows the cache was asked about, and of those the ones that planted or reused a state
         "cache_rows": _num(cache, "rows"),
         "cache_used_rows": _num(cache, "hits") + _num(cache, "partial") + _num(cache, "cold"),
+        # the two tiers (statecache.index, statecache.tiers): per tier its bytes and checkpoints, restores by tier,
+        # copies back and their milliseconds, evictions by tier and reason, tokens lost for want of a checkpoint
+        "tier_bytes": {"device": _num(cache, "bytes"), "host": _num(cache, "host_bytes")},
+        "tier_checkpoints": {"device": _num(cache, "device_checkpoints"), "host": _num(cache, "host_checkpoints")},
+        "tier_restores": {"device": _num(cache, "restored_device"), "host": _num(cache, "restored_host")},
+        "host_copies_back": _num(cache, "host", "copies_up"),
+        "host_copy_back_seconds": _num(cache, "host", "up_ms") / 1e3,
+        "tier_evictions": {(tier, reason): _num(cache, "tiers", key) for tier, reason, key in (
+            ("device", "to_host", "demoted"), ("device", "dropped", "dropped_device"), ("host", "dropped", "dropped_host"),
+            ("device", "replaced", "replaced"))},
+        "tokens_lost_no_checkpoint": _num(cache, "tokens_lost"),
     }
 
 
@@ -102,6 +117,29 @@ class _EngineCollector:
                                ("graph_capture_seconds", "graph_capture_seconds", "seconds spent capturing CUDA graphs"),
                                ("batched_forwards", "batched_forwards", "batched forwards of rows continuing saved states"),
                                ("batched_sequences", "batched_sequences", "rows run in batched forwards")):
+            yield CounterMetricFamily(f"statecache:{name}", doc, value=f[key])
+        for name, key, doc in (("cache_tier_bytes", "tier_bytes", "bytes the state cache holds, by tier"),
+                               ("cache_tier_checkpoints", "tier_checkpoints", "saved states the cache holds, by tier")):
+            g = GaugeMetricFamily(f"statecache:{name}", doc, labels=["tier"])
+            for tier, value in f[key].items():
+                g.add_metric([tier], value)
+            yield g
+        restores = CounterMetricFamily("statecache:cache_restores", "rows continued from a saved state, by the tier it was on",
+                                       labels=["tier"])
+        for tier, value in f["tier_restores"].items():
+            restores.add_metric([tier], value)
+        yield restores
+        ev = CounterMetricFamily("statecache:cache_tier_evictions", "saved states leaving a tier, by tier and reason "
+                                 "(to_host: moved to the host tier; dropped; replaced by a new one of the same tokens)",
+                                 labels=["tier", "reason"])
+        for (tier, reason), value in f["tier_evictions"].items():
+            ev.add_metric([tier, reason], value)
+        yield ev
+        for name, key, doc in (("cache_host_copies_back", "host_copies_back", "saved states copied back from the host tier"),
+                               ("cache_host_copy_back_seconds", "host_copy_back_seconds", "seconds those copies took"),
+                               ("cache_tokens_lost", "tokens_lost_no_checkpoint",
+                                "tokens recomputed that a cached state shared with the row: no checkpoint at the deepest "
+                                "shared position")):
             yield CounterMetricFamily(f"statecache:{name}", doc, value=f[key])
         if f["device_memory_bytes"]:
             mem = GaugeMetricFamily("statecache:device_memory_bytes", "the device's memory, by kind", labels=["kind"])

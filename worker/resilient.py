@@ -7,6 +7,10 @@ until Redis answers. Meanwhile the poll loop, the health key and the results of 
 health key expires, so the worker reads as not healthy; rows already on the GPU are computed and their results
 are stored once Redis is back. Transactions that WATCH keys (arq's job start) re-watch on the new connection;
 one whose EXEC was cut off ends as a `WatchError` (arq then leaves the job in the queue for the next poll).
+Redis at its maxmemory with noeviction (`OutOfMemoryError`: it refuses every write, and every command queued in a
+transaction) is waited out the same way (`no_room`): nothing of a refused command or transaction ran, so it is sent
+again once Redis has room (a watched one ends as a `WatchError`, as above); the worker logs it once, without the
+command's arguments (redis-py quotes them: a job's row, a result), and does not exit.
 After `give_up()` (the worker is stopping) errors are raised as they come. Redis refusing the worker's
 credentials or permissions (statecache.protocol's `REFUSED`: wrong password or user, NOAUTH, WRONGPASS, NOPERM;
 redis-py makes the first ones `ConnectionError`s) is no outage: it is not retried, at start-up or later; the
@@ -25,15 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from typing import Any, Callable
 
 from arq.connections import ArqRedis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import BusyLoadingError, ConnectionError, TimeoutError, WatchError
+from redis.exceptions import BusyLoadingError, ConnectionError, OutOfMemoryError, TimeoutError, WatchError
 
 from statecache.protocol import REFUSED, redact
+from statecache.redis_url import connection_pool
 
 log = logging.getLogger("statecache.worker")
 
@@ -66,13 +70,13 @@ class ResilientRedis(ArqRedis):
         self.running_here: Callable[[], set[str]] | None = None
         self.url = ""  # REDIS_URL (from_dsn), for the message when Redis refuses it; shown redacted
         self._refused = False
+        self._full_since = 0.0  # when Redis last began refusing writes for want of memory (0: it has room)
 
     @classmethod
     def from_dsn(cls, url: str, **kwargs: Any) -> "ResilientRedis":
-        from redis.asyncio.connection import ConnectionPool
-
+        """The client for `url`, read as everywhere else (statecache.redis_url: every form redis-py accepts)."""
         kwargs.setdefault("socket_connect_timeout", 2)
-        redis = cls(ConnectionPool.from_url(url, **kwargs))  # no socket_timeout: COMMAND_TIMEOUT_S (above)
+        redis = cls(connection_pool(url, **kwargs))  # no socket_timeout: COMMAND_TIMEOUT_S (above)
         redis.url = url
         return redis
 
@@ -96,6 +100,24 @@ class ResilientRedis(ArqRedis):
         self._failures += 1
         await asyncio.sleep(min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(self._failures, 10)))
 
+    async def no_room(self, error: OutOfMemoryError) -> None:
+        """Redis refused a write for want of memory (maxmemory, noeviction): say so once, sleep the next backoff step
+        (or raise, without the command's arguments, once the worker is stopping)."""
+        if self._giving_up:
+            raise OutOfMemoryError("Redis is out of memory (maxmemory, noeviction)") from None
+        if not self._full_since:
+            self._full_since = time.monotonic()
+            self._failures = 0
+            log.warning("Redis is out of memory (used memory over its maxmemory, maxmemory-policy noeviction) and "
+                        "refuses writes: waiting for room, retrying with backoff; raise its maxmemory or free memory")
+        self._failures += 1
+        await asyncio.sleep(min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** min(self._failures, 10)))
+
+    def roomy(self) -> None:
+        if self._full_since:
+            log.warning("Redis has room again after %.1f s", time.monotonic() - self._full_since)
+            self._full_since = 0.0
+
     def refused(self, error: BaseException) -> None:
         """Redis refused the credentials or permissions of REDIS_URL: say what to fix (once) and stop the worker."""
         if not self._refused:
@@ -113,6 +135,7 @@ class ResilientRedis(ArqRedis):
                 self.on_change(True)
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
+        waited_for_room = False  # "has room again" only from a write that was refused (reads pass on a full Redis)
         while True:
             try:
                 async with asyncio.timeout(COMMAND_TIMEOUT_S):  # a TimeoutError is an OSError: LOST
@@ -122,7 +145,13 @@ class ResilientRedis(ArqRedis):
             except LOST as e:
                 await self.lost(e)
                 continue
+            except OutOfMemoryError as e:
+                waited_for_room = True
+                await self.no_room(e)
+                continue
             self.back()
+            if waited_for_room:
+                self.roomy()
             return result
 
     async def zrangebyscore(self, name: Any, *args: Any, **kwargs: Any) -> Any:
@@ -157,12 +186,13 @@ class ResilientPipeline(Pipeline):
 
     async def immediate_execute_command(self, *args: Any, **options: Any) -> Any:
         """WATCH and the reads after it, before MULTI: on a lost connection, wait, re-WATCH, read again. A job's
-        queue score of -inf (ZADD by hand) reads as 1 ms, the oldest: arq makes an int of it outside any job."""
+        queue score below 1 (ZADD by hand) reads as 1 ms, the oldest: arq makes an int of -inf outside any job, and
+        skips a job whose score is 0 (falsy) for ever."""
         while True:
             try:
                 async with asyncio.timeout(COMMAND_TIMEOUT_S):
                     result = await super().immediate_execute_command(*args, **options)
-                if args and str(args[0]).upper() == "ZSCORE" and isinstance(result, float) and result == -math.inf:
+                if args and str(args[0]).upper() == "ZSCORE" and isinstance(result, float) and result < 1:
                     result = 1.0
             except REFUSED as e:
                 self._owner.refused(e)
@@ -186,6 +216,7 @@ class ResilientPipeline(Pipeline):
     async def execute(self, raise_on_error: bool = True) -> Any:
         stack = list(self.command_stack)
         watched = bool(self._watched) or self.explicit_transaction
+        waited_for_room = False
         while True:
             try:
                 async with asyncio.timeout(COMMAND_TIMEOUT_S):
@@ -199,9 +230,19 @@ class ResilientPipeline(Pipeline):
                     raise WatchError("connection lost during a watched transaction") from e
                 self.command_stack = list(stack)
                 continue
+            except OutOfMemoryError as e:  # the transaction was refused whole (EXECABORT): nothing of it ran
+                waited_for_room = True
+                await self._owner.no_room(e)
+                if watched:
+                    self._watched = []
+                    raise WatchError("Redis refused a watched transaction for want of memory") from None
+                self.command_stack = list(stack)
+                continue
             except WatchError:
                 self._watched = []
                 raise
             self._owner.back()
+            if waited_for_room:
+                self._owner.roomy()
             self._watched = []
             return result

@@ -3,17 +3,18 @@
 arq reads a settings class's own `__dict__` (inherited attributes are ignored), so `WorkerSettings` is made
 with every setting as its own attribute. `worker_settings(settings)` gives the same as a dict, for running a
 worker in-process (`arq.worker.create_worker(worker_settings(settings), ...)`). The Redis client is
-worker.resilient's (it waits out a Redis restart); `redis_settings` stays for `arq ... --check`.
+worker.resilient's (it waits out a Redis restart); `redis_settings` stays for `arq ... --check`. Both read
+REDIS_URL as statecache.redis_url does (every form redis-py accepts: `?password=`, rediss://, unix://).
 
 Knows arq's settings; the values come from Settings.
 """
 
 from __future__ import annotations
 
-from arq.connections import RedisSettings
 from arq.worker import func
 
 from statecache.protocol import JOB_ANSWER, JOB_PROFILE, JOB_STATS, JOB_UNDECODABLE, health_key, private_queue
+from statecache.redis_url import arq_settings
 from statecache.settings import Settings
 from worker.jobs import answer, job_ended, job_started, profile, shutdown, startup, stats, undecodable
 from worker.resilient import ResilientRedis
@@ -36,7 +37,7 @@ def worker_settings(settings: Settings) -> dict:
             func(profile, name=JOB_PROFILE, max_tries=1),
             func(undecodable, name=JOB_UNDECODABLE, max_tries=1),
         ],
-        "redis_settings": RedisSettings.from_dsn(settings.redis_url),
+        "redis_settings": arq_settings(settings.redis_url),  # for `arq ... --check` only: the worker uses redis_pool
         "redis_pool": pool,
         # arq serves this worker's own queue; its router (worker.routing) moves the rows meant for it there from
         # settings.queue, where agents enqueue

@@ -1,0 +1,349 @@
+"""The step scheduler on paper: the closed-loop agent trace through the real scheduler (statecache.sched) and through
+a model of today's engine, with GPU time from a cost model fitted to H200 measurements in bench/results/.
+
+    python bench/step_sim.py [--agents 16,64] [--seconds 60] [--warmup-s 10] [--budgets 1024,2048,4096]
+                             [--chunks 512,1024,2048] [--seed 0] [--out FILE.json]
+
+The trace is load_bench's own (`AgentTrace`: states of 2-6k tokens; a visit asks 1-3 questions; then the page grows
+by an action, 75%, or a new page replaces it; each agent sends its next row when its last answer arrives), token-exact
+over the real checkpoint index (statecache.sched.IndexView over statecache.index.CheckpointIndex, the 9B shape's
+bytes, a 66 GiB budget as the worker had in s11_run2).
+
+The cost model (`fit`): milliseconds of one forward's graph = a + b * tokens + c * sequences + d * attention pairs
+(each sequence's query-key pairs, L * (start + L / 2)), least squares over the graph replays measured on the H200:
+batched hits of 64-token questions from 4096-token states (gpu_batch.py, s9_run1, s10_run4, s11_run2) and one
+uncached row of 2496, 3072, 4160 tokens (gpu_plant.py, s10_run4); the host's share of a forward (wall less graph,
+the same gpu_batch runs) = h0 + h1 * sequences. The fit's error on every point is printed.
+
+Today's policy (`today`), as statecache.engine and worker.gpu_thread run it: the GPU thread takes every row waiting
+as a batch; the engine runs one batched forward for its hits and the first row of each grown state, one for the
+rows behind grown states, then each new page alone through its planting graph (1.02x the plain graph, measured) in
+arrival order, answering it when its forward ends and the rows behind it in a batched forward after; the planting
+graph stops every 4 of the 32 layers (`between`) and a stop answers, in a batched forward of their own, the rows
+that arrived meanwhile and continue saved states (the rest wait for the next batch). The steps (`steps`): the
+scheduler plans a step, the step costs the model's time for its pieces, `done` answers its finished rows.
+Both add `--rtt-ms` between an answer and the agent's next row reaching the worker (Redis and arq).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from load_bench import AgentTrace  # noqa: E402
+
+from statecache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
+from statecache.checkpoints import real_shape  # noqa: E402
+from statecache.config import parse_config  # noqa: E402
+from statecache.sched import IndexView, Layout, Row, Scheduler  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+LAYERS, BETWEEN_LAYERS = 32, 4  # the 9B shape's layers; today's planting graph stops every 4 (Settings.between_layers)
+PLANT_RATIO = 1.02  # planting graph / plain graph of the same row (s10_run4: 1.015-1.028)
+CACHE_MB = 66_171  # the worker's budget in s11_run2 (results.md)
+
+
+# ---- the cost model --------------------------------------------------------------------------------------------------
+
+def attn_pairs(start: int, length: int) -> float:
+    return length * (start + length / 2)
+
+
+def measured_points() -> tuple[list, list]:
+    """(graph points, host points) from bench/results: graph (sequences, tokens, attention pairs, ms, source);
+    host (sequences, wall - graph ms)."""
+    graph, host = [], []
+    for run in ("s9_run1/batch", "s10_run4/batchv", "s11_run2/batch"):
+        d = json.loads((RESULTS / run / "gpu_batch.json").read_text())
+        state, q = d.get("args", {}).get("state", 4096), d.get("args", {}).get("question", 64)
+        for k, case in d["cases"].items():
+            k = int(k)
+            graph.append((k, k * q, k * attn_pairs(state, q), case["batched_graph_ms"], f"{run} {k} hits"))
+            host.append((k, case["batched_ms"] - case["batched_graph_ms"]))
+    d = json.loads((RESULTS / "s10_run4/plantg/gpu_plant.json").read_text())
+    for k, case in d["planting_graph"].items():
+        n = case["tokens"]
+        graph.append((1, n, attn_pairs(0, n), case["plain_graph_ms"], f"s10_run4/plantg plain {n}"))
+    return graph, host
+
+
+class CostModel:
+    def __init__(self, coef, hcoef, floor: int = 0, turn_ms: float = 0.0):
+        self.coef, self.hcoef, self.floor = coef, hcoef, floor
+        self.turn_ms = turn_ms  # the GPU thread's host time per turn (a batch, a stop that runs rows, a step)
+
+    def graph_ms(self, pieces) -> float:
+        """pieces: (start, length) per sequence."""
+        a, b, c, d = self.coef
+        toks = sum(L for _, L in pieces)
+        pairs = sum(attn_pairs(s, L) for s, L in pieces)
+        return a + b * max(toks, self.floor) + c * len(pieces) + d * pairs / 1e6
+
+    def host_ms(self, seqs: int) -> float:
+        return self.hcoef[0] + self.hcoef[1] * seqs + (self.turn_ms if seqs else 0.0)
+
+    def step_ms(self, pieces) -> float:
+        return self.graph_ms(pieces) + self.host_ms(len(pieces))
+
+
+def _lstsq(graph, floor: int):
+    X = np.array([[1.0, max(t, floor), k, pr / 1e6] for k, t, pr, _, _ in graph])
+    y = np.array([ms for *_, ms, _ in graph])
+    coef = np.maximum(np.linalg.lstsq(X, y, rcond=None)[0], 0)  # no negative cost (refit the others when one clips)
+    if (coef == 0).any():
+        keep = coef > 0
+        coef[keep] = np.linalg.lstsq(X[:, keep], y, rcond=None)[0]
+    return coef, float(np.sum(((X @ coef) - y) ** 2 / y ** 2))
+
+
+def fit() -> tuple[CostModel, list]:
+    graph, host = measured_points()
+    # below `floor` tokens a forward costs what `floor` tokens cost: reading the weights bounds it (DESIGN.md 8: 64
+    # tokens 4.0 ms of matmuls at 3.5 TB/s), not the arithmetic; the floor is the one that fits best
+    floor, coef = min(((f, _lstsq(graph, f)) for f in range(0, 513, 16)), key=lambda t: t[1][1])
+    coef = coef[0]
+    H = np.array([[1.0, k] for k, _ in host])
+    hcoef = np.maximum(np.linalg.lstsq(H, np.array([h for _, h in host]), rcond=None)[0], 0)
+    model = CostModel(tuple(float(c) for c in coef), tuple(float(c) for c in hcoef), floor)
+    rows = []
+    for k, t, pr, ms, src in graph:
+        pieces = [(4096 if "hits" in src else 0, t // k)] * k
+        pred = model.graph_ms(pieces)
+        rows.append((src, k, t, ms, pred, 100 * (pred - ms) / ms))
+    return model, rows
+
+
+# ---- the simulations -----------------------------------------------------------------------------------------------
+
+def make_view(layout: Layout):
+    cfg = parse_config({"model_type": "qwen3_5_text", **real_shape("9B")})
+    return IndexView(CACHE_MB * 2**20, checkpoint_bytes(cfg, 2), kv_bytes(cfg, 1, 2), layout)
+
+
+class Agents:
+    """The closed loop: agent i's next row reaches the worker rtt after its last answer."""
+
+    def __init__(self, n: int, seed: int, rtt_s: float):
+        self.trace = AgentTrace(n, seed, (1000, 248_000))
+        self.rtt_s = rtt_s
+        self.serial = 0
+        self.arrivals = []  # (time, Row, agent, submitted)
+        for i in range(n):
+            self._next(i, 0.0)
+        self.records = []  # (submitted, answered, path, reused, n)
+
+    def _next(self, agent: int, t: float) -> None:
+        r = self.trace.next_row(agent)
+        self.serial += 1
+        row = Row(self.serial, r.ids, r.state_len, r.slots)
+        row.agent, row.submitted = agent, t  # the simulator's own marks
+        self.arrivals.append((t + self.rtt_s / 2, row))
+
+    def due(self, t: float) -> list:
+        out = [r for at, r in self.arrivals if at <= t]
+        self.arrivals = [(at, r) for at, r in self.arrivals if at > t]
+        return out
+
+    def next_arrival(self) -> float:
+        return min(at for at, _ in self.arrivals)
+
+    def answer(self, row, t: float, path: str, reused: int) -> None:
+        self.records.append((row.submitted, t + self.rtt_s / 2, path, reused, row.n))
+        self._next(row.agent, t + self.rtt_s / 2)
+
+
+def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chunk: int) -> dict:
+    layout = Layout.from_settings()
+    sched = Scheduler(make_view(layout), layout, budget_tokens=budget, chunk_tokens=chunk)
+    rows = {}
+    t, busy, steps = 0.0, 0.0, 0
+    while t < seconds:
+        for r in agents.due(t):
+            rows[r.rid] = r
+            sched.add(r)
+        step = sched.plan()
+        if not step.pieces:
+            sched.done(step)
+            t = max(t, agents.next_arrival())
+            continue
+        ms = model.step_ms([(pc.start, pc.tokens) for pc in step.pieces])
+        t += ms / 1e3
+        busy += ms / 1e3
+        steps += 1
+        for f in sched.done(step):
+            agents.answer(rows.pop(f.row.rid), t, f.path, f.reused)
+    return {"steps": steps, "busy_s": busy, "end_s": t, "tokens_per_step": sched.stats["tokens"] / max(1, steps)}
+
+
+def run_today(agents: Agents, model: CostModel, seconds: float) -> dict:
+    layout = Layout.from_settings()
+    view = make_view(layout)
+    clock = {"t": 0.0, "busy": 0.0}
+    queue: list = []
+    serial = [0]
+
+    def gpu(pieces, extra_ms: float = 0.0) -> None:
+        ms = model.step_ms(pieces) + extra_ms
+        clock["t"] += ms / 1e3
+        clock["busy"] += ms / 1e3
+
+    def lookup(row):
+        p = layout.end(row.state_len)
+        found = view.lookup(row.ids, p)
+        return found, (found.pos if found is not None else 0), p
+
+    def plant(row, start):
+        serial[0] += 1
+        pos = layout.positions(start, row.state_len)
+        if pos:
+            view.planted(("today", serial[0]), row.ids, layout.end(row.state_len), pos, last=True)
+
+    def batched(items) -> None:
+        """One rows_batched call: (row, start) pieces [start, n); grown rows plant their new end."""
+        if not items:
+            return
+        gpu([(c, r.n - c) for r, c, _ in items])
+        for r, c, p in items:
+            if c < p:
+                plant(r, c)
+            agents.answer(r, clock["t"], "hit" if c == p else "partial", c)
+
+    def ready(rows) -> tuple[list, list]:
+        """Rows that continue saved states (batched now) and the others; one per state (the rest behind it)."""
+        now, behind, rest, seen = [], [], [], {}
+        for r in rows:
+            found, c, p = lookup(r)
+            if c == 0:
+                rest.append(r)
+                continue
+            key = tuple(r.ids[:p])
+            if key in seen and c < p:
+                behind.append(r)
+            else:
+                seen[key] = True
+                now.append((r, c, p))
+        return now, behind, rest
+
+    while clock["t"] < seconds:
+        queue += agents.due(clock["t"])
+        if not queue:
+            clock["t"] = max(clock["t"], agents.next_arrival())
+            continue
+        batch, queue = queue, []
+        now, behind, new = ready(batch)
+        batched(now)  # hits and the first row of each grown state
+        b2, behind2, _ = ready(behind)
+        batched(b2 + [(r, *lookup(r)[1:]) for r in behind2])  # the rows behind grown states, now hits
+        pages, follow = [], {}
+        for r in new:
+            key = tuple(r.ids[: layout.end(r.state_len)])
+            if key in follow:
+                follow[key].append(r)
+            else:
+                follow[key] = []
+                pages.append((key, r))
+        declined: set = set()
+        for key, r in pages:
+            total = model.graph_ms([(0, r.n)]) * PLANT_RATIO + model.host_ms(1)
+            stops = LAYERS // BETWEEN_LAYERS
+            for _ in range(stops):
+                gpu([], total / stops - model.step_ms([]))
+                queue += agents.due(clock["t"])
+                offered = [q for q in queue if q.rid not in declined]
+                if not offered:
+                    continue
+                now, behind, rest = ready(offered)
+                taken = {r_.rid for r_, _, _ in now}
+                declined |= {q.rid for q in rest + behind}
+                queue = [q for q in queue if q.rid not in taken]
+                batched(now)
+            plant(r, 0)
+            agents.answer(r, clock["t"], "cold", 0)
+            batched([(b, *lookup(b)[1:]) for b in follow[key]])
+    return {"busy_s": clock["busy"], "end_s": clock["t"]}
+
+
+def summary(agents: Agents, warmup_s: float, seconds: float, busy_s: float, end_s: float) -> dict:
+    recs = [r for r in agents.records if warmup_s <= r[1] < seconds]
+    span = seconds - warmup_s
+
+    def lat(path=None):
+        xs = sorted(1e3 * (b - a) for a, b, p, _, _ in recs if path is None or p == path)
+        if not xs:
+            return {"n": 0}
+        q = lambda f: xs[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
+        return {"n": len(xs), "p50": round(q(0.5), 1), "p99": round(q(0.99), 1), "mean": round(statistics.mean(xs), 1)}
+
+    reused = sum(r[3] for r in recs) / max(1, sum(r[4] for r in recs))
+    return {"rows_per_s": round(len(recs) / span, 1), "all": lat(), "hit": lat("hit"), "partial": lat("partial"),
+            "cold": lat("cold"), "reused": round(reused, 3), "gpu_busy": round(busy_s / end_s, 3)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--agents", default="16,64")
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--warmup-s", type=float, default=10.0)
+    ap.add_argument("--budgets", default="1024,2048,4096")
+    ap.add_argument("--chunks", default="512,1024,2048")
+    ap.add_argument("--rtt-ms", type=float, default=4.0, help="an answer to the agent and its next row to the worker")
+    ap.add_argument("--turn-ms", type=float, default=4.8,
+                    help="the GPU thread's host time per turn that runs rows, beyond the forward's own host share "
+                         "(s11_run2, 16 agents: between stops took 18.7 s over 1603 calls, 11.7 ms each, where a "
+                         "batched forward of one hit takes 6.9 ms wall: 4.8 ms of taking, checking, answering)")
+    ap.add_argument("--step-turn-ms", type=float, default=None,
+                    help="the same for a step of the scheduler (default: --turn-ms; 0: a step loop that prepares the "
+                         "next step while the GPU runs this one)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    model, errors = fit()
+    a, b, c, d = model.coef
+    model.turn_ms = args.turn_ms
+    if args.step_turn_ms is None:
+        args.step_turn_ms = args.turn_ms
+    print(f"[fit] graph ms = {a:.3f} + {b * 1e3:.4f} us/token * max(tokens, {model.floor}) + {c:.4f} * seqs + "
+          f"{d:.4f} * M attention pairs; host ms = {model.hcoef[0]:.3f} + {model.hcoef[1]:.4f} * seqs + {args.turn_ms} "
+          f"a turn of the GPU thread")
+    print("| point | seqs | tokens | measured ms | model ms | error |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for src, k, t, ms, pred, err in errors:
+        print(f"| {src} | {k} | {t} | {ms:.2f} | {pred:.2f} | {err:+.1f}% |")
+    out = {"fit": {"coef": model.coef, "host": model.hcoef, "points": errors}, "runs": []}
+    configs = [("today", None, None)] + [("steps", B, C) for B in map(int, args.budgets.split(","))
+                                         for C in map(int, args.chunks.split(",")) if C <= B]
+    print("\n| agents | policy | budget | chunk | rows/s | p50 ms | p99 ms | hit p50 / p99 | partial p50 / p99 | "
+          "cold p50 / p99 | reused | GPU busy |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+          "| ---: | ---: |")
+    for n in map(int, args.agents.split(",")):
+        for policy, B, C in configs:
+            t0 = time.perf_counter()
+            agents = Agents(n, args.seed + n, args.rtt_ms / 1e3)
+            model.turn_ms = args.turn_ms if policy == "today" else args.step_turn_ms
+            info = run_today(agents, model, args.seconds) if policy == "today" else \
+                run_steps(agents, model, args.seconds, B, C)
+            s = summary(agents, args.warmup_s, args.seconds, info["busy_s"], info["end_s"])
+            s.update(agents=n, policy=policy, budget=B, chunk=C, sim_s=round(time.perf_counter() - t0, 1),
+                     turn_ms=model.turn_ms)
+            out["runs"].append(s)
+            pp = lambda k: f"{s[k].get('p50', '-')} / {s[k].get('p99', '-')}"  # noqa: E731
+            print(f"| {n} | {policy} | {B or '-'} | {C or '-'} | {s['rows_per_s']} | {s['all']['p50']} | "
+                  f"{s['all']['p99']} | {pp('hit')} | {pp('partial')} | {pp('cold')} | {s['reused']:.0%} | "
+                  f"{s['gpu_busy']:.0%} |", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

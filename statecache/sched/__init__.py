@@ -1,0 +1,14 @@
+"""The step scheduler (DESIGN.md section 4): plans each GPU step under a token budget from rows, their tokens and a
+view of the cache; plain Python, no torch (a rules test holds that for every module here).
+
+- `layout`: where checkpoints sit (the cache's settings, statecache.index's rule);
+- `view`: the `CacheView` interface the scheduler asks, and `IndexView`, one over statecache.index's real index;
+- `steps`: `Scheduler`, its plan (`Step`, `Piece`) and its finished rows (`Finished`).
+"""
+
+from .layout import Layout
+from .steps import COLD, HIT, PARTIAL, PLAIN, Finished, Piece, Row, Scheduler, Step
+from .view import CacheView, IndexView
+
+__all__ = ["Layout", "CacheView", "IndexView", "Scheduler", "Row", "Piece", "Step", "Finished", "HIT", "PARTIAL",
+           "COLD", "PLAIN"]

@@ -1,0 +1,294 @@
+"""The step scheduler (statecache.sched) on its own: no model, no torch. Random mixes of rows (new pages, repeats of a
+state, grown states, states changed in the middle, rows the cache cannot take), budgets, chunk sizes, layouts and
+pipelining depths, driven to the end over the real checkpoint index (IndexView): every row is answered once; no step
+is over its budget or its sequences (but a lone unsplittable piece); each row's pieces are contiguous and cover
+exactly [restored position, n), cut at the alignment, the question in the last; the checkpoints planted are exactly
+statecache.index.plan_chunks' positions; no state is computed twice; new pages go first come first served; a hit
+that can run is never left out of a step that runs a page's piece; cold_ok is asked once per new state."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from statecache.index import plan_chunks, state_end
+from statecache.sched import COLD, HIT, PARTIAL, PLAIN, IndexView, Layout, Row, Scheduler
+
+BIG = 1 << 40  # bytes: nothing is evicted
+
+
+def view_for(layout, budget=BIG):
+    return IndexView(budget, 1000, 10, layout)
+
+
+def engine_positions(layout, start, state_len):
+    """The engine's rule, asked of statecache.index directly (the chunk runner's max_chunk where the layout names one,
+    else one past every state: no extra cuts)."""
+    return plan_chunks(start, state_len, stride=layout.stride, tail=layout.tail, align=layout.align,
+                       max_chunk=layout.max_chunk or 1 << 20)
+
+
+def make_rows(seed: int, count: int, align: int):
+    """Rows of a few agents: new pages, repeats, grown states, middle changes, and some the cache cannot take."""
+    rng = random.Random(seed)
+    toks = lambda k: [rng.randrange(1, 1 << 30) for _ in range(k)]  # noqa: E731 - distinct states share nothing
+    rows, states = [], []
+    for i in range(count):
+        r = rng.random()
+        if not states or r < 0.3:
+            state = toks(rng.randint(align, 1400))
+        elif r < 0.55:
+            state = rng.choice(states)  # the same state again
+        elif r < 0.8:
+            state = rng.choice(states) + toks(rng.randint(1, 200))  # grown by an action
+        else:
+            base = rng.choice(states)
+            state = base[: rng.randint(0, len(base))] + toks(rng.randint(1, 600))  # changed in the middle
+        states.append(state)
+        q = toks(rng.randint(1, 90))
+        ids = state + q
+        slots = sorted({len(state) + rng.randrange(len(q)), len(ids) - 1})
+        cacheable = rng.random() > 0.1 and state_end(len(state), align) > 0
+        rows.append(Row(i, ids, len(state), slots, cacheable))
+    return rows
+
+
+class Driver:
+    """Adds rows at chosen steps, plans up to `depth` steps ahead of `done`, and records everything."""
+
+    def __init__(self, sched: Scheduler, rows, arrivals, depth: int):
+        self.s, self.rows, self.arrivals, self.depth = sched, rows, arrivals, depth
+        self.steps, self.finished, self.pieces = [], {}, {}
+        self.finish_step, self.first_step = {}, {}
+
+    def run(self, check_step=lambda driver, step, ready_hits: None, limit: int = 5000):
+        s, queue, pending = self.s, list(zip(self.arrivals, self.rows)), []
+        queue.sort(key=lambda t: t[0])
+        t = 0
+        started = set()
+        while queue or s.pending() or pending:
+            assert t < limit, "the scheduler stopped making progress"
+            while queue and queue[0][0] <= t:
+                s.add(queue.pop(0)[1])
+            ready_hits = {r.rid for _, r in s._waiting if r.cacheable and state_end(r.state_len, s.layout.align) > 0
+                          and self._hit(r)}
+            step = s.plan()
+            check_step(self, step, ready_hits)
+            for pc in step.pieces:
+                self.pieces.setdefault(pc.rid, []).append((step.serial, pc))
+                if pc.rid not in started:
+                    started.add(pc.rid)
+                    self.first_step[pc.rid] = step.serial
+            self.steps.append(step)
+            pending.append(step)
+            if len(pending) >= self.depth or not step.pieces:
+                while pending:
+                    for f in s.done(pending.pop(0)):
+                        assert f.row.rid not in self.finished, "a row answered twice"
+                        self.finished[f.row.rid] = f
+                        self.finish_step[f.row.rid] = step.serial
+            t += 1
+        return self
+
+    def _hit(self, row):
+        p = state_end(row.state_len, self.s.layout.align)
+        found = self.s.view.lookup(row.ids, p)
+        return found is not None and found.pos == p
+
+
+def check_rows(d: Driver, layout: Layout, sched: Scheduler):
+    a = layout.align
+    assert set(d.finished) == {r.rid for r in d.rows}, "every row is answered"
+    for r in d.rows:
+        f, pcs = d.finished[r.rid], [pc for _, pc in d.pieces[r.rid]]
+        p = state_end(r.state_len, a)
+        assert pcs[0].start == f.reused and pcs[-1].end == r.n and f.computed == r.n - f.reused
+        assert [pc.answer for pc in pcs] == [False] * (len(pcs) - 1) + [True]
+        for x, y in zip(pcs, pcs[1:]):
+            assert y.start == x.end and y.continues and y.restore is None  # contiguous, its own state carried on
+            assert x.end % a == 0 and (x.end <= p if r.cacheable else x.end <= r.first_slot)  # question in the last
+        assert (pcs[0].restore is not None) == (f.reused > 0) and not pcs[0].continues
+        if f.reused:
+            assert pcs[0].restore.pos == f.reused
+        assert r.first_slot >= pcs[-1].start  # every answer slot is in the last piece
+        planted = [pos for pc in pcs for pos in pc.plants]
+        for pc in pcs:
+            assert all(pc.start < pos <= pc.end for pos in pc.plants)
+        if f.path == HIT:
+            assert f.reused == p and planted == [] and len(pcs) == 1
+        elif f.path in (COLD, PARTIAL):
+            assert planted == engine_positions(layout, f.reused, r.state_len), (f, planted)
+            assert (f.path == COLD) == (f.reused == 0)
+        else:
+            assert f.path == PLAIN and planted == [] and f.reused == 0
+
+
+def check_budget(sched: Scheduler):
+    def check(d, step, ready_hits):
+        assert len(step.pieces) <= sched.max_seqs
+        assert len({pc.rid for pc in step.pieces}) == len(step.pieces), "one piece per row a step"
+        if step.tokens > sched.budget_tokens:  # the stated exception: one unsplittable piece alone
+            assert len(step.pieces) == 1
+            pc = step.pieces[0]
+            row = next(r for r in d.rows if r.rid == pc.rid)
+            stop = state_end(row.state_len, sched.layout.align) if row.cacheable else \
+                row.first_slot - row.first_slot % sched.layout.align
+            assert pc.answer and pc.start >= stop
+    return check
+
+
+layouts = st.sampled_from([Layout(2048, 16, 64), Layout(256, 16, 64), Layout(128, 80, 64), Layout(0, 0, 64),
+                           Layout(192, 16, 16), Layout(0, 16, 64, max_chunk=256)])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), count=st.integers(1, 24), layout=layouts, budget=st.integers(64, 3000),
+       chunk=st.integers(64, 2048), max_seqs=st.integers(1, 12), depth=st.integers(1, 3),
+       short=st.one_of(st.none(), st.integers(0, 600)), spread=st.integers(0, 30),
+       plants_piece=st.one_of(st.none(), st.integers(1, 3)))
+def test_every_row_answered_in_budget_with_the_engines_checkpoints(seed, count, layout, budget, chunk, max_seqs, depth,
+                                                                   short, spread, plants_piece):
+    rows = make_rows(seed, count, layout.align)
+    rng = random.Random(seed + 1)
+    arrivals = [rng.randint(0, spread) for _ in rows]
+    sched = Scheduler(view_for(layout), layout, budget_tokens=budget, chunk_tokens=chunk, max_seqs=max_seqs,
+                      short_tokens=short, max_plants_piece=plants_piece)
+    d = Driver(sched, rows, arrivals, depth).run(check_budget(sched))
+    check_rows(d, layout, sched)
+    if plants_piece is not None:
+        assert all(len(pc.plants) <= plants_piece for s in d.steps for pc in s.pieces)
+    # no state computed twice: every (position, tokens) planted once (nothing is evicted here)
+    seen = set()
+    for r in rows:
+        for _, pc in d.pieces[r.rid]:
+            for pos in pc.plants:
+                key = tuple(r.ids[:pos])
+                assert key not in seen, f"row {r.rid} computed a state another row planted (pos {pos})"
+                seen.add(key)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), count=st.integers(2, 20), budget=st.integers(64, 2500), chunk=st.integers(64, 2048),
+       depth=st.integers(1, 2))
+def test_rows_of_a_state_being_computed_wait_and_hit(seed, count, budget, chunk, depth):
+    """Several questions about one new page, arriving while its pieces run: one row computes it, the others hit it."""
+    layout = Layout(2048, 16, 64)
+    rng = random.Random(seed)
+    state = [rng.randrange(1, 1 << 30) for _ in range(rng.randint(300, 3000))]
+    rows = [Row(i, state + [rng.randrange(1, 1 << 30) for _ in range(rng.randint(1, 60))], len(state))
+            for i in range(count)]
+    arrivals = [0] + [rng.randint(0, 6) for _ in rows[1:]]
+    sched = Scheduler(view_for(layout), layout, budget_tokens=budget, chunk_tokens=chunk)
+    d = Driver(sched, rows, arrivals, depth).run(check_budget(sched))
+    check_rows(d, layout, sched)
+    paths = sorted(f.path for f in d.finished.values())
+    assert paths == [COLD] + [HIT] * (count - 1)
+    computer = next(f.row.rid for f in d.finished.values() if f.path == COLD)
+    for step in d.steps:  # no step computes the state twice, nor hits it before its planting step is done
+        assert sum(pc.start < state_end(len(state), 64) for pc in step.pieces) <= 1
+    p = state_end(len(state), 64)
+    planted_at = next(serial for serial, pc in d.pieces[computer] if p in pc.plants)
+    assert all(d.pieces[r.rid][0][0] > planted_at for r in rows if r.rid != computer)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), pages=st.integers(2, 8), hits=st.integers(0, 30), budget=st.integers(64, 3000),
+       chunk=st.integers(64, 2048), max_seqs=st.integers(2, 16), depth=st.integers(1, 2))
+def test_pages_first_come_first_served_and_hits_never_wait_behind_them(seed, pages, hits, budget, chunk, max_seqs, depth):
+    layout = Layout(2048, 16, 64)
+    rng = random.Random(seed)
+    view = view_for(layout)
+    sched = Scheduler(view, layout, budget_tokens=budget, chunk_tokens=chunk, max_seqs=max_seqs)
+    # saved states for the hits, planted beforehand (as an earlier step would have)
+    saved = []
+    for k in range(max(1, hits // 3)):
+        st_ = [rng.randrange(1, 1 << 30) for _ in range(rng.randint(256, 2000))]
+        p = state_end(len(st_), 64)
+        view.planted(("seed", k), st_, p, engine_positions(layout, 0, len(st_)), last=True)
+        saved.append(st_)
+    rows, arrivals = [], []
+    for i in range(pages):
+        st_ = [rng.randrange(1, 1 << 30) for _ in range(rng.randint(64, 3000))]
+        rows.append(Row(("page", i), st_ + [1, 2, 3], len(st_)))
+        arrivals.append(i)  # in order: page i arrives at step i
+    for j in range(hits):
+        base = rng.choice(saved)
+        rows.append(Row(("hit", j), base + [rng.randrange(1, 1 << 30) for _ in range(rng.randint(1, 90))], len(base)))
+        arrivals.append(rng.randint(0, 3 * pages))
+
+    def check(d, step, ready_hits):
+        check_budget(sched)(d, step, ready_hits)
+        here = {pc.rid[1] for pc in step.pieces if pc.rid[0] == "page"}
+        if here:
+            left_out = ready_hits - {pc.rid for pc in step.pieces}
+            assert not left_out, f"hits {left_out} left out of a step that runs a page"
+            # first come first served: every earlier page that has arrived and still has pieces to run runs too
+            t = len(d.steps)
+            open_ = {i for i in range(pages) if arrivals[i] <= t and not any(
+                pc.answer for _, pc in d.pieces.get(("page", i), ()))}
+            assert {i for i in open_ if i < max(here)} <= here, (here, open_)
+
+    d = Driver(sched, rows, arrivals, depth).run(check)
+    check_rows(d, layout, sched)
+    order = [("page", i) for i in range(pages)]
+    assert [d.first_step[r] for r in order] == sorted(d.first_step[r] for r in order)
+    if chunk >= budget:  # one page at a time: they are answered in the order they came
+        assert [d.finish_step[r] for r in order] == sorted(d.finish_step[r] for r in order)
+    assert all(d.finished[("hit", j)].path == HIT for j in range(hits))
+
+
+def test_cold_ok_decides_once_per_new_state_and_a_declined_state_plants_nothing():
+    layout = Layout(256, 16, 64)
+    asked = []
+
+    def every_other(ctx):
+        asked.append(ctx)
+        return len(asked) % 2 == 1
+
+    rows = make_rows(7, 30, 64)
+    sched = Scheduler(view_for(layout), layout, budget_tokens=700, chunk_tokens=300, cold_ok=every_other)
+    d = Driver(sched, rows, [i // 3 for i in range(len(rows))], 1).run(check_budget(sched))
+    check_rows(d, layout, sched)
+    new = [f for f in d.finished.values() if f.reused == 0 and f.row.cacheable]
+    assert len(asked) == len(new) and len(asked) >= 4
+    assert sum(f.path == PLAIN for f in new) == sched.stats["declined"] == len(asked) // 2
+    assert all(ctx.state_bytes > 0 and ctx.budget_bytes == BIG and ctx.sharing_rows >= 1 for ctx in asked)
+
+
+def test_the_default_policy_declines_a_state_the_cache_cannot_hold():
+    layout = Layout(2048, 16, 64)
+    view = IndexView(50_000, 1000, 10, layout)  # a 4k-token state's K/V alone is 40,960 bytes: over half of it
+    sched = Scheduler(view, layout)
+    sched.add(Row("big", list(range(4100)), 4096))
+    sched.add(Row("small", list(range(10**6, 10**6 + 700)), 640))
+    paths = {}
+    while sched.pending():
+        for f in sched.done(sched.plan()):
+            paths[f.row.rid] = f.path
+    assert paths == {"big": PLAIN, "small": COLD}
+
+
+def test_a_small_cache_evicts_and_every_row_still_answers():
+    layout = Layout(256, 16, 64)
+    rows = make_rows(3, 40, 64)
+    sched = Scheduler(IndexView(60_000, 1000, 10, layout), layout, budget_tokens=512, chunk_tokens=256,
+                      cold_ok=lambda ctx: True)
+    d = Driver(sched, rows, [i // 4 for i in range(len(rows))], 2).run(check_budget(sched))
+    check_rows(d, layout, sched)
+    assert sched.view.evicted > 0 and sched.view.used_bytes <= 60_000
+
+
+def test_plan_is_rejected_out_of_order_and_bad_settings():
+    layout = Layout(2048, 16, 64)
+    with pytest.raises(ValueError):
+        Scheduler(view_for(layout), layout, budget_tokens=32)
+    sched = Scheduler(view_for(layout), layout)
+    sched.add(Row(1, list(range(500)), 400))
+    with pytest.raises(ValueError):
+        sched.add(Row(1, list(range(500)), 400))
+    s1, s2 = sched.plan(), sched.plan()
+    with pytest.raises(ValueError):
+        sched.done(s2)
+    sched.done(s1)
+    sched.done(s2)
