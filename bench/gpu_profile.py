@@ -6,14 +6,13 @@ logic replayed synchronously, so what is measured is the engine's own ceiling).
 Steps (each in try/except; results.json rewritten after every step; --budget seconds stops starting new steps):
 1. `Engine.from_settings` with precapture, as the worker builds it: start-up seconds per part.
 2. `packed`: the packed forward (statecache.plain) of 1, 4 and 8 new states of 2.5-4.5k tokens, with and without
-   planting, synchronised wall clock (median of 3), with a no-op `between` counting its calls.
+   planting, synchronised wall clock (median of 3).
 3. `hits`: N in 1, 4, 16, 64 hits (64-token questions) from N different saved 4096-token states, through
    StateCache.rows_batched (one batched call) and through Engine.answer (the host path included); plus one lone
    hit through Engine.answer (what `statecache score` pays per hit).
 4. `closed_loop`: --agents agents of bench/load_bench.py's trace, each sending its next row when answered; a loop
-   takes every ready row into `Engine.answer(rows, between=...)`, and the between hook answers the rows that became
-   ready meanwhile with `answer_ready`, as worker/gpu_thread.py does. rows/s, per-path latency, the engine's phases,
-   and a per-call timeline (rows, paths, seconds) of the first calls.
+   hands every ready row to `Engine.submit` and runs one `Engine.step`, as worker/gpu_thread.py does. rows/s,
+   per-path latency, the engine's phases, and a per-turn timeline (rows, paths, milliseconds) of the first turns.
 5. `profile`: torch.profiler over a few seconds of the same loop: the top CUDA kernels and CPU ops (text tables).
 """
 
@@ -173,7 +172,7 @@ def hits(engine, vocab):
     return res
 
 
-def closed_loop(engine, vocab, agents, seconds, seed, timeline_calls=60, prof=None, no_early=False):
+def closed_loop(engine, vocab, agents, seconds, seed, timeline_calls=60, prof=None):
     from load_bench import AgentTrace, lat_summary
 
     trace = AgentTrace(agents, seed=seed, vocab=vocab)
@@ -195,45 +194,26 @@ def closed_loop(engine, vocab, agents, seconds, seed, timeline_calls=60, prof=No
             done[0] += 1
             ready.append((a, trace.next_row(a), now))
 
-    def between():
-        if not ready:
-            return
-        items = ready[:]
-        ready.clear()
-        t0 = time.perf_counter()
-        got = engine.answer_ready([r.wire() for _, r, _ in items])
-        sync()
-        answered = [(it, g) for it, g in zip(items, got) if g is not None]
-        back = [it for it, g in zip(items, got) if g is None]
-        ready[:0] = back
-        if len(timeline) < timeline_calls:
-            timeline.append({"kind": "between", "rows": len(items), "answered": len(answered),
-                             "paths": dict(Counter(g.get("path") for _, g in answered)),
-                             "ms": round(1e3 * (time.perf_counter() - t0), 1)})
-        finish([it for it, _ in answered], [g for _, g in answered])
-
-    import inspect
-
-    early_ok = "on_result" in inspect.signature(engine.answer).parameters and not no_early
     t_start = time.perf_counter()
+    tag = [0]
+    inflight: dict = {}  # tag -> (agent, row, ready_at)
     while time.perf_counter() - t_start < seconds:
         items = ready[:]
         ready.clear()
         t0 = time.perf_counter()
-        early = set()
-
-        def on_result(i, res):  # a hit handed back before the batch's long forward: its agent goes on
-            early.add(i)
-            finish([items[i]], [res])
-
-        results = engine.answer([r.wire() for _, r, _ in items], waiting_rows=0, between=between,
-                                **({"on_result": on_result} if early_ok else {}))
+        tags = []
+        for it in items:
+            tag[0] += 1
+            inflight[tag[0]] = it
+            tags.append(tag[0])
+        got = engine.submit([r.wire() for _, r, _ in items], tags, waiting_rows=0) if items else []
+        got += engine.step()
         sync()
         if len(timeline) < timeline_calls:
-            timeline.append({"kind": "answer", "rows": len(items), "tokens": sum(len(r.ids) for _, r, _ in items),
-                             "paths": dict(Counter(g.get("path") for g in results)),
+            timeline.append({"kind": "step", "new_rows": len(items), "answered": len(got),
+                             "paths": dict(Counter(g.get("path") for _, g in got)),
                              "ms": round(1e3 * (time.perf_counter() - t0), 1)})
-        finish([it for i, it in enumerate(items) if i not in early], [r for i, r in enumerate(results) if i not in early])
+        finish([inflight.pop(t) for t, _ in got], [g for _, g in got])
         if prof is not None:
             prof.step()
     el = time.perf_counter() - t_start
@@ -374,9 +354,6 @@ def main():
         step("hits", lambda: hits(engine, vocab), args.budget)
     if "closed_loop" in steps:
         step("closed_loop", lambda: closed_loop(engine, vocab, args.agents, args.seconds, seed=7), args.budget)
-    if "closed_loop_late" in steps:  # answers only at the end of each batch (before on_result)
-        step("closed_loop_late", lambda: closed_loop(engine, vocab, args.agents, args.seconds, seed=9, no_early=True),
-             args.budget)
     if "contention" in steps:
         step("contention", lambda: contention(engine, vocab, args.agents, args.seconds), args.budget)
     if "gputhread" in steps:

@@ -582,12 +582,13 @@ def markdown(res: dict) -> str:
                      f"{fmt(s.get('gpu_busy_pct'))} |")
     phases = [(n, s.get("worker_stats", {}).get("engine", {}).get("phases")) for n, s in cfgs.items()]
     if any(ph for _, ph in phases):  # the engine's wall seconds per phase since start-up (Engine.stats()["phases"])
-        lines += ["", "Where the engine's time went, since start-up (seconds, rows; the planting graphs and packed "
-                  "forwards include the callbacks made inside them): " + "; ".join(
-                      f"{n} agents: batched {ph['batched_s']:.1f} s / {ph['batched_rows']}, planting graphs "
-                      f"{ph.get('graph_s', 0):.1f} s / {ph.get('graph_rows', 0)}, packed {ph['packed_s']:.1f} s / "
-                      f"{ph['packed_rows']}, one at a time {ph['one_by_one_s']:.1f} s / {ph['one_by_one_rows']}, "
-                      f"between {ph['between_s']:.1f} s / {ph['between_calls']} calls" for n, ph in phases if ph)]
+        lines += ["", "Where the engine's time went, since start-up (seconds, rows; steps: the rows they finished): "
+                  + "; ".join(
+                      f"{n} agents: steps {ph.get('step_s', 0):.1f} s / {ph.get('steps', 0)} steps / "
+                      f"{ph.get('step_rows', 0)} rows, batched {ph['batched_s']:.1f} s / {ph['batched_rows']}, planting "
+                      f"graphs {ph.get('graph_s', 0):.1f} s / {ph.get('graph_rows', 0)}, packed {ph['packed_s']:.1f} s / "
+                      f"{ph['packed_rows']}, one at a time {ph['one_by_one_s']:.1f} s / {ph['one_by_one_rows']}"
+                      for n, ph in phases if ph)]
     timing = [(n, s.get("worker_stats", {}).get("worker", {}).get("timing")) for n, s in cfgs.items()]
     if any(t for _, t in timing):  # the worker's own split of a row's latency (worker.metrics.WorkerMetrics.timing)
         lines += ["", "Where a row's latency went in the worker, mean seconds since start-up (enqueue to reaching the "

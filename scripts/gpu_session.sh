@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_session.sh STEP[:SECONDS][@VAR=VALUE...] ...   (from the repository root, with .whl carried)
 #
-# @VAR=VALUE sets an environment variable for that step only (e.g. load16@STATECACHE_BETWEEN_LAYERS=8); a step
+# @VAR=VALUE sets an environment variable for that step only (e.g. load16@STATECACHE_CACHE_MB=8000); a step
 # named twice writes its second run to NAME_2, and so on.
 #
 # Steps (default limits in seconds):
@@ -29,7 +29,7 @@
 #   agree       bench/gpu_agree32.py, 40 rows against float32 and transformers (240)
 #   tests       pytest tests/test_gpu.py and the Triton kernel tests (240)
 #   tests_plant pytest tests/test_gpu.py's planting-graph tests only (240: 120 s did not cover their compilation)
-# Environment passed on: STATECACHE_* (e.g. STATECACHE_BETWEEN_LAYERS). Compile caches go to $STATECACHE_HOME
+# Environment passed on: STATECACHE_* (e.g. STATECACHE_CACHE_MB). Compile caches go to $STATECACHE_HOME
 # (default here: /tmp/statecache-home, which outlives a call while the machine stays warm, as /tmp/ck9b does; a
 # folder in the repository, not ignored by .gitignore, did not: in session 9 the second call's worker took 73 s for
 # its chunk graphs where score, in the call before, took 12 s with the caches the worker had just written).

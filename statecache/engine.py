@@ -1,32 +1,27 @@
-"""The engine: a batch of rows in, one result per row out, in order; the one object the worker's GPU thread drives.
+"""The engine: rows in (`submit`), answered a step at a time (`step`); the one object the worker's GPU thread drives.
 
-For each batch: validate (and tokenise text rows; a CheckedRow, checked beside the engine's thread by `check_aside`,
-is taken as it is), answer exact repeats from the memo, group the rest by their
-aligned state tokens, then run them short work first (`_run`): the rows that continue from saved states go
-through one batched forward (statecache.batch; hits, and the first row of each grown state, which plants its
-new end), the rows behind grown states through a second; then the new states, one forward each where a planting
-graph holds them (statecache.plant.PlantGraph), in arrival order, so the first new page's answer does not wait
-for the last one's forward (the rows the cache cannot take, and new states no graph holds, are packed into
-forwards of their own, statecache.plain); each forward leaves its new states' checkpoints and K/V
-(statecache.plant), planted as one group each, and the rows behind those states continue from them in a batched
-call right after it.
-What a batched call cannot take runs one row at a time through the state cache (restore, chunks). Whether a new
-state is planted is the `cold_ok` policy's decision (statecache.policy), asked once per new state; a declined
-state runs plain and plants nothing. So every forward plants, whatever the backlog; `waiting_rows` (the caller's
-view of the queue) only informs the policy. The checkpoints a batch's rows will restore are pinned in the cache's
-index while the batch runs (the rows are taken: their states are not evicted by the batch's new pages before they
-are read); a checkpoint on the host tier is copied back by the cache when its row runs (StateCache.bring).
+`submit(rows, tags)` checks each row (text rows tokenised; a CheckedRow, checked beside the engine's thread by
+`check_aside`, is taken as it is), answers bad rows and exact repeats (the memo) at once, and hands the rest to the
+step loop (statecache.step.Steps over statecache.sched.Scheduler): a row equal to one already scheduled waits for its
+answer. `step()` runs one step: the scheduler fills a token budget with hits, grown states and chunks of new pages,
+the batched runner (statecache.batch) runs them as packed forwards, each sequence from its own state, and the rows
+whose last piece ran are answered; states are planted as their pieces pass their checkpoint positions, and a row
+whose state another row is computing waits for it. Whether a new state is planted is the `cold_ok` policy's decision
+(statecache.policy), asked once per new state; `waiting_rows` (the caller's view of its queue) only informs it.
+`answer(rows)` is both, stepped until every row is answered (what `statecache score` and the tests use).
 
-A bad row gets an error result; an exception while computing fails only the rows of that group (or of that
-packed forward; a batched call isolates a failing row). With a specialists folder (`specialists=`, checked in
-full before the weights load) every result names its `route`; new states then plant through the cache's own
-chunked path (their checkpoints carry a route and the router's feature sum); rows that continue from saved states
-run batched as without specialists, each with its checkpoint's route (statecache.batch).
-Rows with images (checkpoints with a vision tower: statecache.images, statecache.vision): their memo key and their
-group key include each image's content hash, the index knows their states by key tokens
-(statecache.vision.RowImages.keys), a new image state plants from the packed forward like a text one, and their
-continuations run one at a time through the cache (the batched forward has no multimodal positions).
-Not thread-safe: one thread drives it. Knows nothing of Redis or asyncio.
+Rows the step loop does not take run at submission through the paths that came before it (`_run`): rows with images
+(checkpoints with a vision tower: statecache.images, statecache.vision; their memo and group keys include each
+image's content hash, the index knows their states by key tokens), specialists (`specialists=`: every result then
+names its `route`; new states plant through the cache's chunked path with a route and the router's feature sum, rows
+of saved states run batched with their checkpoint's route), rows with more slots or a longer question than a piece
+holds, and every row when there is no batched runner (`batch=0`). There: rows of saved states through one batched
+call (StateCache.rows_batched), new states through the plain path's forwards (statecache.plain, statecache.plant),
+what those leave one row at a time through the state cache; the checkpoints they restore are pinned meanwhile.
+
+A bad row gets an error result; a failing forward fails only its row (the step loop halves it until the failing
+piece stands alone; the other paths fail the rows of that group or forward). Not thread-safe: one thread drives it.
+Knows nothing of Redis or asyncio.
 """
 from __future__ import annotations
 
@@ -53,6 +48,8 @@ from .rows import CheckedRow, RowError, check_row, error_result
 from .runner import ChunkRunner
 from .text import answer_tokens, text_bound
 from .specialists import load_specialists
+from .batch import CHUNK
+from .step import BUDGET_TOKENS, CHUNK_TOKENS, RowFailed, Steps
 
 log = logging.getLogger("statecache.engine")
 LETTERS = list(string.ascii_uppercase)
@@ -74,7 +71,8 @@ class Engine:
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
                  specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
-                 auto_budget: bool | None = None, between_layers: int = 4, plant_graphs: bool | None = None):
+                 auto_budget: bool | None = None, plant_graphs: bool | None = None, step_tokens: int = BUDGET_TOKENS,
+                 step_chunk: int = CHUNK_TOKENS):
         if model_dir is None:
             from .tiny import tiny_model_dir
 
@@ -131,7 +129,7 @@ class Engine:
         # the CPU runs its forward eagerly, the tests' form). The one place that decides whether its graphs advance a
         # state to a position off the 64-token chunks (a cost to every new page): only a cache aligned to less needs it
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
-                               specialists=self.specialists, between_layers=between_layers, plant_graphs=plant_graphs,
+                               specialists=self.specialists, plant_graphs=plant_graphs,
                                plant_unaligned=self.cache.s.align % 64 != 0)
         if self.precapture_info is not None:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
@@ -155,13 +153,18 @@ class Engine:
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
-        self._early = None  # (on_result, indices handed back) while `answer` runs
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
-        # wall seconds and rows per phase of `_run` (the GPU is synchronised at the end of each phase, so these are
-        # where a batch's time goes); a new state's planting graph (graph_*) and a packed forward (packed_*) include
-        # the `between` callbacks made inside them, which are also counted on their own (between_s)
-        self.phases = {**{f"{k}_{u}": 0 for k in ("batched", "packed", "graph", "one_by_one") for u in ("s", "rows")},
-                       "packed_cpu_s": 0, "graph_cpu_s": 0, "between_s": 0, "between_cpu_s": 0, "between_calls": 0}
+        # wall seconds and rows per phase (the GPU is synchronised at the end of each, so these are where the engine's
+        # time goes): the step loop's steps (step_*: rows it finished), and the other paths' phases of `_run`
+        self.phases = {**{f"{k}_{u}": 0 for k in ("step", "batched", "packed", "graph", "one_by_one") for u in ("s", "rows")},
+                       "step_cpu_s": 0, "steps": 0, "packed_cpu_s": 0, "graph_cpu_s": 0}
+        # the step loop (statecache.step): text rows of the trunk, where the batched runner runs (its snapshots sit
+        # on its 64-token chunks, so the cache's checkpoints must too)
+        self.steps = None
+        if self.cache.batch is not None and self.specialists is None and self.cache.s.align % CHUNK == 0:
+            self.steps = Steps(self.cache, self.cache.batch, self.cold_ok, budget_tokens=step_tokens,
+                               chunk_tokens=step_chunk)
+        self._flight: dict = {}  # memo key of a scheduled row -> the tags waiting for it (the first is its own)
 
     def _warm_packed(self) -> float:
         """Run the packed forward (eager: nothing to capture) on dummy rows of a few lengths, planting and not, so
@@ -225,7 +228,7 @@ class Engine:
         s = settings if settings is not None else Settings.from_env()
         args = dict(settings=s.cache_settings(), auto_budget=s.cache_mb is None, compile=s.compile, precapture=s.precapture,
                     cold_ok=load_policy(s.cold_ok), cache_fraction=s.cache_fraction, specialists=s.specialists,
-                    batch=s.batch, home=s.home, between_layers=s.between_layers)
+                    batch=s.batch, home=s.home)
         if s.max_row_tokens is not None:
             args["max_row_tokens"] = s.max_row_tokens
         return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
@@ -246,45 +249,124 @@ class Engine:
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
-    def answer(self, rows: list, waiting_rows: int = 0, *, backed_up: bool | None = None, between=None,
-               on_result=None) -> list[dict]:
-        """One result per row, in order. waiting_rows: rows queued behind this batch (for the cold_ok policy).
-        between: called between the pieces of a long forward (a new state's planting graph, every few layers of a
-        packed forward, the chunks of the cache's chunked path), so the caller can answer rows that arrived
-        meanwhile with `answer_ready` (chunked prefill). on_result(i, result): called as soon as row i's result is
-        known (after the first batched calls, after each new state's forward, after each row run alone), so a
-        caller can hand rows back before the batch's later work ends; rows not handed back that way (repeats of a
-        row in the same batch) are in the returned list only (which has them all). backed_up: the old signature's flag, accepted from callers not yet updated and ignored."""
-        self.cache.between = None if between is None else self._timed_between(between)
+    def answer(self, rows: list, waiting_rows: int = 0, *, on_result=None) -> list[dict]:
+        """One result per row, in order: `submit` them all, then `step` until every one is answered. on_result(i,
+        result): called as soon as row i's result is known (at submission for errors and memo answers, at the end of
+        the step that finishes it otherwise). waiting_rows: rows queued behind these (the cold_ok policy's view)."""
         results: list[dict | None] = [None] * len(rows)
-        self._early = (on_result, set()) if on_result is not None else None
+
+        def put(got) -> None:
+            for i, res in got:
+                results[i] = res
+                if on_result is not None:
+                    try:
+                        on_result(i, res)
+                    except Exception:  # noqa: BLE001 - the row is still in the returned list
+                        log.exception("on_result failed for row %d", i)
+
+        put(self.submit(rows, list(range(len(rows))), waiting_rows))
+        while self.pending():
+            put(self.step())
+        return results  # type: ignore[return-value]
+
+    def submit(self, rows: list, tags: list, waiting_rows: int = 0) -> list[tuple]:
+        """Rows in, each with its caller's tag -> (tag, result) for the rows answered at once: bad rows (their
+        error), memo answers and the rows the step loop does not take (image rows, specialists, rows whose question
+        does not fit a piece: run now through the engine's other paths). The others join the schedule; `step` answers
+        them. A row equal to one already scheduled is answered with it (path "memo")."""
+        if len(tags) != len(rows):
+            raise ValueError(f"{len(tags)} tags for {len(rows)} rows")
         self.counts["batches"] += 1
-        todo = []  # (index, row, memo key)
-        first: dict = {}  # memo key -> index of its first row in this batch
-        repeats = []  # (index, index of the same row's first occurrence)
-        for i, raw in enumerate(rows):
+        out: list = []
+        todo = []  # (tag, row, memo key) for the other paths
+        if self.steps is not None:
+            self.steps.sched.backlog = max(0, int(waiting_rows or 0))
+        for tag, raw in zip(tags, rows):
             self.counts["rows"] += 1
-            got = self._prepare(i, raw)
+            got = self._prepare(0, raw)
             if isinstance(got, dict):  # its error result
-                results[i] = got
+                out.append((tag, got))
                 continue
             row, key = got
             if (hit := self._memo(key)) is not None:
-                results[i] = hit
-            elif key in first:  # the same row twice in one batch: computed once
-                repeats.append((i, first[key]))
+                out.append((tag, hit))
+            elif key in self._flight:  # the same row again while it runs: answered with it
+                self._flight[key].append(tag)
+            elif self.steps is not None and self.steps.takes(row):
+                self._flight[key] = [tag]
+                self.steps.add(key, row)
             else:
-                first[key] = i
-                todo.append((i, row, key))
-        self._deliver(results)
-        self._run(todo, len(rows), waiting_rows, results)
-        self._early = None
-        for i, j in repeats:
-            res = results[j]
-            results[i] = dict(res, path="memo", reused=0, computed=0) if "probs" in res else dict(res)
-            if "probs" in res:
-                self.counts["memo"] += 1
-        return results  # type: ignore[return-value]
+                todo.append((tag, row, key))
+        out += self._other_paths(todo, len(rows), waiting_rows)
+        return out
+
+    def pending(self) -> int:
+        """Rows in the schedule (`step` has work)."""
+        return self.steps.pending() if self.steps is not None else 0
+
+    def step(self) -> list[tuple]:
+        """Run one step of the schedule (statecache.step.Steps) -> (tag, result) for each row it finished; a row the
+        step could not run goes through the engine's other paths now (one at a time), except one that ran out of
+        device memory alone (its `out_of_memory` error)."""
+        if self.steps is None or not self.steps.pending():
+            return []
+        t0, c0 = time.perf_counter(), time.thread_time()
+        declined = self.steps.sched.stats["declined"]
+        done = self.steps.step()
+        self.counts["declined"] += self.steps.sched.stats["declined"] - declined
+        self._phase("step", len(done), t0, c0)
+        self.phases["steps"] += 1
+        out, again = [], []
+        for key, ans in done:
+            tags = self._flight.pop(key)
+            if isinstance(ans, RowFailed):
+                if ans.code == "retry":  # e.g. its checkpoint could not come back to the device: the other paths
+                    again += [(tag, ans.row, key) for tag in tags]
+                    continue
+                res = self._error(ans.code, ans.message)
+            else:
+                res = self._result(ans)
+                if ans.path == "plain":
+                    self.counts["plain"] += 1
+                    self.counts["plain_tokens"] += ans.computed
+                self.memo.put(key, res)
+            out.append((tags[0], res))
+            out += [(tag, self._memo(key) or self._repeat(res)) for tag in tags[1:]]
+        if again:
+            out += self._other_paths(again, len(again), 0)
+        return out
+
+    def clear_schedule(self) -> list[tuple]:
+        """Give up every row in the schedule (a step raised past its own isolation) -> the tags that waited on them."""
+        if self.steps is not None:
+            self.steps.clear()
+        tags = [tag for waiting in self._flight.values() for tag in waiting]
+        self._flight.clear()
+        return tags
+
+    def _repeat(self, res: dict) -> dict:
+        if "probs" not in res:
+            return dict(res)
+        self.counts["memo"] += 1
+        return dict(res, path="memo", reused=0, computed=0)
+
+    def _other_paths(self, todo: list, batch_rows: int, waiting_rows: int) -> list[tuple]:
+        """Rows (tag, row, memo key) through the paths before the step loop (`_run`), now -> (tag, result)."""
+        if not todo:
+            return []
+        first: dict = {}
+        items, repeats = [], []
+        for k, (tag, row, key) in enumerate(todo):
+            if key in first:
+                repeats.append((k, first[key]))
+            else:
+                first[key] = k
+                items.append((k, row, key))
+        results: list = [None] * len(todo)
+        self._run(items, batch_rows, waiting_rows, results)
+        for k, j in repeats:
+            results[k] = self._repeat(results[j])
+        return [(todo[k][0], res) for k, res in enumerate(results)]
 
     def _prepare(self, i: int, raw):
         """One row checked (text rows tokenised, images decoded) -> (row, memo key), or its error result (a dict).
@@ -311,18 +393,6 @@ class Engine:
         if "mm" in row:
             key = (key, row["mm"].digests)
         return row, key
-
-    def _timed_between(self, between):
-        def timed() -> None:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                between()
-            finally:
-                self.phases["between_s"] += time.perf_counter() - t0
-                self.phases["between_cpu_s"] += time.thread_time() - c0
-                self.phases["between_calls"] += 1  # the rows they answer are counted as batched rows
-
-        return timed
 
     def _phase(self, name: str, rows: int, t0: float, c0: float | None = None) -> None:
         self.phases[f"{name}_s"] += time.perf_counter() - t0
@@ -376,30 +446,14 @@ class Engine:
         follow: dict = {}  # memo key of a new state's first row -> the rows behind it (they continue once it planted)
         if self.cache.batch is not None:
             later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results, found)
-            self._deliver(results)
             later += self._batched([m for g in grown for m in g[1:]], results)  # hits now, before the long forwards
             follow = {g[0][2]: g[1:] for g in planting if "mm" not in g[0][1] and len(g) > 1}
             chunked += [g[1:] for g in planting if "mm" in g[0][1]]
         else:
             chunked = saved + grown + chunked + [g[1:] for g in planting]
-        self._deliver(results)  # answered so far: handed back before the long forwards
         later += self._plain(plain, results, [g[0] for g in planting], follow)
         for members in chunked + ([later] if later else []):
             self._one_by_one(members, results)
-            self._deliver(results)
-
-    def _deliver(self, results) -> None:
-        """`answer`'s on_result for every row answered since the last call (no-op without one)."""
-        if self._early is None:
-            return
-        fn, sent = self._early
-        for i, res in enumerate(results):
-            if res is not None and i not in sent:
-                sent.add(i)
-                try:
-                    fn(i, res)
-                except Exception:  # noqa: BLE001 - the row is still in the returned list
-                    log.exception("on_result failed for row %d", i)
 
     def _one_by_one(self, members, results) -> None:
         """Rows through the cache one at a time (`_cached_group`); what it declines goes plain; a failure fails only
@@ -513,30 +567,6 @@ class Engine:
                 results[i] = res if n == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
         return left
 
-    def answer_ready(self, rows: list) -> list[dict | None]:
-        """The rows that can be answered without a long forward, now: bad rows (their error), memo answers and rows
-        that continue from saved states (one batched call); None for the others (give them to `answer` later).
-        Safe to call from `answer`'s `between` hook: it never runs a row's own chunked forward."""
-        results: list[dict | None] = [None] * len(rows)
-        items = []
-        for i, raw in enumerate(rows):
-            if isinstance(raw, dict) and raw.get("images"):
-                continue  # image rows: later, through `answer` (the batched forward has no multimodal positions)
-            got = self._prepare(i, raw)
-            if isinstance(got, dict):  # its error result
-                results[i] = got
-                continue
-            row, key = got
-            if (hit := self._memo(key)) is not None:
-                results[i] = hit
-            elif self.cache.batch is not None and self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
-                items.append((i, row, key))
-        self.counts["rows"] += sum(r is not None for r in results)
-        if items:
-            self._batched(items, results)
-            self.counts["rows"] += sum(results[i] is not None for i, _, _ in items)
-        return results
-
     def _groups(self, todo) -> tuple["OrderedDict[bytes, list]", list]:
         """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
         and the rows the cached path cannot take (for the plain path). The key is the bytes of the state's tokens
@@ -606,11 +636,9 @@ class Engine:
         left: list = []
         for fwd in self.plain.forwards(rows, plans):
             self._plain_forward([entries[k] for k in fwd], [rows[k] for k in fwd], [plans[k] for k in fwd], results)
-            self._deliver(results)
             behind = [m for k in fwd for m in (follow or {}).get(entries[k][0], ())]
             if behind:
                 left += self._batched(behind, results)
-                self._deliver(results)
         return left
 
     def _cold_plan(self, row) -> list[int]:
@@ -625,7 +653,7 @@ class Engine:
         t0, c0 = time.perf_counter(), time.thread_time()
         by_graph = self.plain.stats.get("planting_graph_rows", 0)
         try:
-            outs, planted = self.plain.run(rows, plans, between=self.cache.between)
+            outs, planted = self.plain.run(rows, plans)
         except RowError as e:  # an image that decoded when checked but not now: the rows of this forward fail
             for _, (_, idx, _) in entries:
                 for i in idx:
@@ -637,7 +665,7 @@ class Engine:
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        # a new state's planting graph ("graph") or a packed forward ("packed"); both include the `between` stops
+        # a new state's planting graph ("graph") or a packed forward ("packed")
         self._phase("graph" if self.plain.stats.get("planting_graph_rows", 0) > by_graph else "packed", len(entries), t0, c0)
         for (key, (row, idx, plant)), (probs, route), pl in zip(entries, outs, planted):
             if plant:
@@ -686,6 +714,7 @@ class Engine:
                 "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
                 "budget": dataclasses.asdict(self.budget), **self._device_memory(),
                 "phases": {k: round(v, 3) if k.endswith("_s") else v for k, v in self.phases.items()},
+                **({"steps": {**self.steps.stats, "scheduler": dict(self.steps.sched.stats)}} if self.steps else {}),
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
 
     def _device_memory(self) -> dict:

@@ -32,7 +32,7 @@ class ColdContext:
     budget_bytes: int  # the cache's budget
     used_bytes: int  # bytes the cache holds now
     sharing_rows: int  # rows of this batch that share the state (the row itself included)
-    batch_rows: int  # rows in the batch being run
+    batch_rows: int  # rows in the batch being run (the step loop: rows in its schedule, started or waiting)
     waiting_rows: int  # rows waiting behind this batch (the backlog the caller sees), 0 when unknown
     host_budget_bytes: int = 0  # the cache's host tier (0: none)
 

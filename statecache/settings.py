@@ -46,7 +46,6 @@ class Settings:
     precapture: bool = _f(True, "STATECACHE_PRECAPTURE", "capture every CUDA graph before serving (no-op on the CPU)")
     specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; README: Specialists; default: none)")
     batch: int = _f(64, "STATECACHE_BATCH", "most rows of saved states run in one batched forward (0: one at a time)")
-    between_layers: int = _f(4, "STATECACHE_BETWEEN_LAYERS", "a new page's forward can stop for the hits that arrived meanwhile every this many layers (0: only after it)")
     max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")
     # --- the state cache
     cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")

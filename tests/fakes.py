@@ -1,5 +1,5 @@
 """Test helpers around the real engine (statecache.engine.Engine on the built-in tiny model): no fake decides
-a path. `GatedEngine` holds the real engine back (or makes one call fail) so a test can pile rows up or see
+a path. `GatedEngine` holds the real engine back (or makes one submission fail) so a test can pile rows up or see
 the worker survive an engine exception; `build_tokenizer` makes small tokenizers in memory.
 """
 
@@ -10,18 +10,17 @@ import time
 
 
 class GatedEngine:
-    """A real engine behind a gate: while `gate` is clear, `answer` waits, so rows pile up in the worker
-    (an artificial backlog); `delay_s` more per call keeps rows in flight for a while; a call with a row for
-    which `fail_when(row)` is true raises (an engine failure). Records `(rows, waiting_rows)` per call and the
-    threads that called; `between` (the GPU thread's chunked-prefill callback) and everything else is the
-    inner engine's."""
+    """A real engine behind a gate: while `gate` is clear, `submit` (and `answer`) waits, so rows pile up in the
+    worker (an artificial backlog); `delay_s` more per submission keeps rows in flight for a while; a submission with a
+    row for which `fail_when(row)` is true raises (an engine failure). Records `(rows, waiting_rows)` per submission
+    and the threads that called; `step`, `pending` and everything else is the inner engine's."""
 
     def __init__(self, inner, delay_s: float = 0.0, fail_when=None):
         self.__dict__.update(inner=inner, gate=threading.Event(), calls=[], entered=0, delay_s=delay_s,
                              fail_when=fail_when, threads=set())
         self.gate.set()
 
-    def answer(self, rows: list, waiting_rows: int = 0, *, between=None) -> list[dict]:
+    def _enter(self, rows: list, waiting_rows: int) -> None:
         self.__dict__["entered"] += 1
         self.threads.add(threading.current_thread().name)
         self.gate.wait()
@@ -29,7 +28,14 @@ class GatedEngine:
         time.sleep(self.delay_s)
         if self.fail_when is not None and any(self.fail_when(r) for r in rows):
             raise RuntimeError("engine failure (test)")
-        return self.inner.answer(rows, waiting_rows=waiting_rows, between=between)
+
+    def submit(self, rows: list, tags: list, waiting_rows: int = 0) -> list:
+        self._enter(rows, waiting_rows)
+        return self.inner.submit(rows, tags, waiting_rows=waiting_rows)
+
+    def answer(self, rows: list, waiting_rows: int = 0, **kw) -> list[dict]:
+        self._enter(rows, waiting_rows)
+        return self.inner.answer(rows, waiting_rows=waiting_rows, **kw)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -68,7 +74,7 @@ def build_tokenizer(chat_template: str | None = CHATML):
 
 
 def slow_engine(settings=None) -> GatedEngine:
-    """The real engine (from the settings), half a second slower per batch: rows stay in flight long enough for
+    """The real engine (from the settings), half a second slower per submission: rows stay in flight long enough for
     a signal to land among them (STATECACHE_ENGINE=tests.fakes:slow_engine)."""
     from statecache.engine import Engine
 
@@ -76,7 +82,7 @@ def slow_engine(settings=None) -> GatedEngine:
 
 
 def stuck_engine(settings=None) -> GatedEngine:
-    """The real engine, 30 s slower per batch: a batch that outlives any short drain
+    """The real engine, 30 s slower per submission: a submission that outlives any short drain
     (STATECACHE_ENGINE=tests.fakes:stuck_engine)."""
     from statecache.engine import Engine
 
@@ -98,7 +104,7 @@ def slow_start_engine(settings=None):
 
 
 def held_engine(settings=None) -> GatedEngine:
-    """The real engine, each batch held $TEST_ENGINE_DELAY_S seconds longer (default 1): a worker process whose rows
+    """The real engine, each submission held $TEST_ENGINE_DELAY_S seconds longer (default 1): a worker process whose rows
     stay in flight as long as a test needs (STATECACHE_ENGINE=tests.fakes:held_engine)."""
     import os
 
@@ -108,7 +114,7 @@ def held_engine(settings=None) -> GatedEngine:
 
 
 def hung_engine(settings=None) -> GatedEngine:
-    """The real engine behind a gate that never opens: its first batch never ends, as a hung GPU would
+    """The real engine behind a gate that never opens: its first submission never ends, as a hung GPU would
     (STATECACHE_ENGINE=tests.fakes:hung_engine)."""
     from statecache.engine import Engine
 

@@ -136,19 +136,15 @@ def test_a_new_state_shared_by_three_rows_is_planted_once(engine):
 def test_a_backlog_still_plants_and_later_rows_hit(engine):
     eng = engine()
     S, T, U = toks(300, 7), toks(320, 8), toks(280, 9)
-    runs = []
-    real = eng.plain.run
-    eng.plain.run = lambda rows, plans=None, **kw: runs.append(plans) or real(rows, plans, **kw)
     res = eng.answer([row(S, 10, 1)], waiting_rows=10_000)
-    assert paths(res) == ["cold"] and len(eng.cache.index) == 2  # planted from the packed forward
-    assert len(runs) == 1 and runs[0] == [[192, 256]]  # stride 192 and p - tail (240 -> 192), p
+    assert paths(res) == ["cold"]  # planted whatever the backlog: stride 192 and p - tail (240 -> 192), p
+    assert sorted(c.pos for c in eng.cache.index.lru_order()) == [192, 256]
     rows = [row(T, 10, 2), row(T, 11, 3), row(U, 10, 4), row(T, 12, 5), row(S, 13, 6), row(toks(30, 11), 4, 7)]
     res2 = eng.answer(rows, waiting_rows=10_000)
-    # one packed forward plants T and U and runs the short row; T's other rows and S's continue from saved states
+    # T and U are planted by their first rows; T's other rows wait for T's checkpoint and hit; S's continues
     assert paths(res2) == ["cold", "hit", "cold", "hit", "hit", "plain"]
-    assert len(runs) == 2 and [pl is not None for pl in runs[1]] == [True, True, False]
-    res3 = eng.answer([row(T + toks(100, 10), 5, 8), row(U, 9, 9)], backed_up=True)  # the old keyword: ignored
-    assert paths(res3) == ["partial", "hit"] and len(runs) == 2
+    res3 = eng.answer([row(T + toks(100, 10), 5, 8), row(U, 9, 9)])
+    assert paths(res3) == ["partial", "hit"]
     assert eng.counts["declined"] == 0 and eng.counts["plain"] == 1
     assert eng.stats()["cold"] == 3 and eng.stats()["hits"] == 4
     check(eng, [row(S, 10, 1)] + rows + [row(T + toks(100, 10), 5, 8), row(U, 9, 9)], res + res2 + res3)
@@ -264,20 +260,60 @@ def test_a_failure_while_computing_fails_only_that_group(engine, monkeypatch):
     check(eng, rows, res)
 
 
-def test_a_failing_packed_forward_fails_its_rows_and_the_rest_goes_on(engine, monkeypatch):
+def test_a_failing_forward_fails_only_its_rows_and_the_rest_goes_on(engine, monkeypatch):
+    """A step's forward that raises is halved until the failing piece stands alone: only the rows of S fail (the
+    second one too, when it runs after the first failed), the others are answered in the same steps."""
     eng = engine()
     S = toks(300, 25)
+    real = eng.cache.batch.forward
 
-    def fail(rows, plans=None, **kw):
-        raise RuntimeError("packed boom")
+    def fail_on_s(pieces):
+        if any(list(pc.ids[:10]) == S[:10] for pc in pieces):
+            raise RuntimeError("forward boom")
+        return real(pieces)
 
-    monkeypatch.setattr(eng.plain, "run", fail)
-    rows = [row(S, 10, 1), row(toks(20, 26), 5, 2), row(S, 11, 3)]
+    monkeypatch.setattr(eng.cache.batch, "forward", fail_on_s)
+    rows = [row(S, 10, 1), row(toks(20, 26), 5, 2), row(S, 11, 3), row(toks(280, 27), 5, 4)]
     res = eng.answer(rows)
-    assert paths(res) == ["error", "error", "cold"]  # nothing planted: S's next row is cold on the cached path
-    assert "packed boom" in res[0]["error"]["message"]
+    assert paths(res) == ["error", "plain", "error", "cold"]
+    assert res[0]["error"]["code"] == "internal" and "forward boom" in res[0]["error"]["message"]
     monkeypatch.undo()
+    res2 = eng.answer(rows[:1])
+    assert paths(res2) == ["cold"]  # nothing of S was planted
+    check(eng, rows + rows[:1], res + res2)
+
+
+def test_device_memory_running_out_frees_cache_and_retries(engine, monkeypatch):
+    """torch.OutOfMemoryError in a step's forward: the cache gives up half its device tier, the forward runs again
+    (halved); every row is answered as the plain forward answers it. A row that runs out alone with nothing left to
+    free gets `out_of_memory`."""
+    import torch
+
+    eng = engine()
+    old = [row(toks(300, 90 + k), 5, k) for k in range(4)]
+    eng.answer(old)
+    held = eng.cache.index.bytes
+    real, calls = eng.cache.batch.forward, []
+
+    def once_out(pieces):
+        calls.append(len(pieces))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(pieces)
+
+    monkeypatch.setattr(eng.cache.batch, "forward", once_out)
+    rows = [row(toks(300, 90), 9, 5), row(toks(250, 99), 6, 6), row(toks(40, 98), 3, 7)]
+    res = eng.answer(rows)
+    assert all("probs" in r for r in res), res
+    assert eng.steps.stats["oom_relieved"] == 1 and eng.cache.index.bytes < held + eng.cache.state_bytes(250)
     check(eng, rows, res)
+
+    def always_out(pieces):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(eng.cache.batch, "forward", always_out)
+    res = eng.answer([row(toks(260, 97), 4, 8)])
+    assert res[0]["error"]["code"] == "out_of_memory" and "STATECACHE" in res[0]["error"]["message"]
 
 
 # ---- text rows -------------------------------------------------------------------------------------------------------
@@ -388,31 +424,28 @@ def test_score_cli_precapture_flag_and_budget_line(monkeypatch, capsys):
 
 
 def test_rows_of_saved_states_run_batched(engine):
-    """A drained batch: rows of states with checkpoints (hits, a grown state) run as one batched call; a new state's
-    first row plants alone and the rows behind it run in a call of their own right after it; STATECACHE_BATCH=0's
-    engine answers alike."""
+    """Rows of states with checkpoints (hits, a grown state) and a new state's first row run in one step; the rows
+    behind the new state and the grown one wait a step (they would compute the same state) and then hit; the
+    engine without a batched runner (STATECACHE_BATCH=0) answers alike."""
     eng = engine()
     a, b, c = toks(300, 21), toks(200, 22), toks(260, 23)
     check(eng, [row(a, 5, 1), row(b, 5, 2)], eng.answer([row(a, 5, 1), row(b, 5, 2)]))
-    forwards = eng.cache.batch.stats["forwards"]
+    forwards, steps = eng.cache.batch.stats["forwards"], eng.phases["steps"]
     grown = b + toks(70, 5)  # p 256 from b's 192
     rows = [row(a, 9, 3), row(c, 7, 4), row(grown, 6, 5), row(c, 12, 6), row(a, 20, 7, (3, 5)), row(c, 4, 8),
             row(grown, 11, 9)]
     res = eng.answer(rows)
     check(eng, rows, res)
     assert paths(res) == ["hit", "cold", "partial", "hit", "hit", "hit", "hit"]  # the grown state planted once
-    assert eng.cache.stats["batched"] == 6
-    # first call: the hits and the grown state (planting inside its piece); second: the rows behind grown (before the
-    # new state's long forward); third: the rows behind c, once c has planted
-    assert eng.cache.batch.stats["forwards"] - forwards == 3
+    assert eng.phases["steps"] - steps == 2 and eng.cache.batch.stats["forwards"] - forwards == 2
     solo = engine(batch=0)
-    assert solo.cache.batch is None
+    assert solo.cache.batch is None and solo.steps is None
     check(solo, rows, solo.answer(rows))
 
 
-def test_a_batched_hit_is_looked_up_once(engine, monkeypatch):
-    """The first batched call plans from the engine's own lookups (one per group) while the index is unchanged; a
-    lookup made before something changed the index (its version) is not used."""
+def test_a_scheduled_row_is_looked_up_once(engine, monkeypatch):
+    """A row is looked up once when it joins the schedule; the scheduler keeps that lookup while the index is
+    unchanged. rows_batched (the other paths) plans from a caller's lookup only while the index's version holds."""
     eng = engine()
     a, b = toks(300, 31), toks(200, 32)
     eng.answer([row(a, 5, 1), row(b, 5, 2)])
@@ -422,7 +455,7 @@ def test_a_batched_hit_is_looked_up_once(engine, monkeypatch):
     rows = [row(a, 9, 3), row(b, 7, 4), row(a, 12, 5)]
     res = eng.answer(rows)
     check(eng, rows, res)
-    assert paths(res) == ["hit", "hit", "hit"] and len(calls) == 2  # one per state, none again in the batch
+    assert paths(res) == ["hit", "hit", "hit"] and len(calls) == 3  # one per row, none again in its step
     from statecache.batch import _plan
 
     r = toks(6, 33)
@@ -433,249 +466,111 @@ def test_a_batched_hit_is_looked_up_once(engine, monkeypatch):
     assert _plan(eng.cache, 0, ids, 300, [305], [4], eng.cache.batch, (best, ix.version)).best is best
 
 
-def test_hits_answered_between_the_chunks_of_a_new_state(engine):
-    """Chunked prefill: while a new state's long forward runs, `between` answers rows of saved states that arrived
-    meanwhile (answer_ready); a row that needs a long forward of its own is left for later (None)."""
-    eng = engine(settings=CacheSettings(min_prefix=64, stride=128))
+def test_hits_ride_beside_a_new_pages_chunks(engine):
+    """A new page spreads over several steps (chunks of step_chunk tokens); a hit submitted while it runs is
+    answered by the next step, long before the page; a bad row is answered at submission."""
+    eng = engine(settings=CacheSettings(min_prefix=64, stride=128), step_chunk=128)
     a = toks(300, 31)
     eng.answer([row(a, 5, 1)])
-    hit, new = row(a, 9, 2), row(toks(200, 33), 4, 3)
-    got = []
-
-    def between():
-        if not got:
-            got.extend(eng.answer_ready([hit, new, {"ids": [1]}]))
-
-    long_row = row(toks(700, 32), 6, 4)  # chunks end at 128, 256, ..., 640: `between` runs after each
-    res = eng.answer([long_row], waiting_rows=1, between=between)
-    check(eng, [long_row], res)
-    assert paths(res) == ["cold"]
-    assert got[0]["path"] == "hit" and got[1] is None and got[2]["error"]["code"]
-    check(eng, [hit], got[:1])
-
-
-def test_gpu_thread_answers_hits_between_chunks():
-    """The GPU thread hands `between` to the engine: a hit queued behind a long new state is answered inside
-    that batch, the rest of the queue stays for the next."""
-    import asyncio
-    import threading
-
-    from statecache.engine import Engine
-    from worker.gpu_thread import GpuThread
-
-    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128))
-    queued, busy, seen = threading.Event(), threading.Event(), threading.Event()
-
-    class Gated:  # the real engine; its batch's first `between` waits until a row has queued behind the batch,
-        def answer(self, rows, waiting_rows=0, between=None):  # the next ones until that row's answer arrived
-            calls = []
-
-            def gated():
-                busy.set()
-                (seen if calls else queued).wait(10)
-                calls.append(1)
-                between()
-            return eng.answer(rows, between=gated if between else None)
-
-        def answer_ready(self, rows):
-            return eng.answer_ready(rows)
-
-    a = toks(300, 41)
-    gpu = GpuThread(lambda: Gated())
-    gpu.start()
-
-    async def main():
-        queued.set()
-        seen.set()
-        await gpu.answer(row(a, 5, 1))  # plants a (its own `between` calls find nothing queued)
-        busy.clear()
-        seen.clear()
-        queued.clear()
-        long_task = asyncio.ensure_future(gpu.answer(row(toks(700, 42), 6, 2)))
-        while not busy.is_set():
-            await asyncio.sleep(0.005)
-        hit_task = asyncio.ensure_future(gpu.answer(row(a, 9, 3)))
-        while gpu.pending() == 0:
-            await asyncio.sleep(0.005)
-        queued.set()
-        hit = await hit_task
-        assert not long_task.done()  # answered while the long forward still runs
-        seen.set()
-        return hit, await long_task
-
-    hit, long_res = asyncio.run(main())
-    assert gpu.stop(5)
-    assert hit["path"] == "hit" and long_res["path"] == "cold"
-    assert gpu.counters["between_rows"] == 1 and gpu.counters["batches"] == 2
+    long_row = row(toks(700, 32), 6, 4)
+    assert eng.submit([long_row], ["long"]) == [] and eng.pending() == 1
+    done = eng.step()
+    assert done == [] and eng.pending() == 1  # the page's first chunk
+    hit = row(a, 9, 2)
+    now = eng.submit([hit, {"ids": [1]}], ["hit", "bad"])
+    assert [t for t, _ in now] == ["bad"] and now[0][1]["error"]["code"]
+    got = dict(eng.step())
+    assert list(got) == ["hit"] and got["hit"]["path"] == "hit"
+    steps = 2
+    while eng.pending():
+        got.update(eng.step())
+        steps += 1
+    assert got["long"]["path"] == "cold" and steps == 6  # 640 of state tokens in chunks of 128, then the question
+    # every multiple of the stride, p - tail (624 -> 576, inside the last chunk) and p
+    assert sorted(c.pos for c in eng.cache.index.lru_order() if c.group.tokens[:10] == long_row["ids"][:10]) == [
+        128, 256, 384, 512, 576, 640]
+    check(eng, [hit, long_row], [got["hit"], got["long"]])
 
 
-def test_hits_are_handed_back_before_the_long_forward(engine, monkeypatch):
-    """on_result: a batch of a hit, a new state and a bad row hands the hit and the error back before the packed
-    forward starts; the new state's answer comes with the returned list, which holds every row."""
-    eng = engine()
+def test_answers_are_handed_back_as_their_steps_end(engine):
+    """on_result: the bad row at submission, the hit at the end of the first step, the new page (two steps) last;
+    the returned list holds every row."""
+    eng = engine(step_chunk=256)
     a = toks(300, 51)
     eng.answer([row(a, 5, 1)])
     events = []
-    run = eng.plain.run
-
-    def traced(*args, **kw):
-        events.append("packed")
-        return run(*args, **kw)
-
-    monkeypatch.setattr(eng.plain, "run", traced)
     rows = [row(toks(400, 52), 6, 2), row(a, 9, 3), {"ids": [1]}]
     res = eng.answer(rows, on_result=lambda i, r: events.append((i, r.get("path"), "error" in r)))
-    got = list(events)  # `check` below runs plain forwards of its own
     check(eng, rows[:2], res[:2])
     assert paths(res[:2]) == ["cold", "hit"]
-    assert got[got.index("packed") - 2 : got.index("packed")] in (
-        [(2, None, True), (1, "hit", False)], [(1, "hit", False), (2, None, True)])
-    assert got[-1] == (0, "cold", False)  # handed back too, once the packed forward is done
+    assert events == [(2, None, True), (1, "hit", False), (0, "cold", False)]
     seen = []
     assert eng.answer(rows[1:2], on_result=lambda i, r: seen.append(r["path"]))[0]["path"] == "memo"
     assert seen == ["memo"]
 
 
-def test_gpu_thread_hands_a_hit_back_before_its_batch_ends():
-    """The GPU thread passes on_result: a hit drained with a new state is answered before the batch's packed
-    forward is done (its job does not wait for the new page)."""
+def test_gpu_thread_hands_a_hit_back_before_the_new_page_ends():
+    """The GPU thread runs a step at a time: a hit drained with a long new page is answered at the end of the
+    first step, while the page still has chunks to run."""
     import asyncio
-    import threading
 
     from statecache.engine import Engine
     from worker.gpu_thread import GpuThread
 
-    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128))
+    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128),
+                 step_chunk=128)
     a = toks(300, 61)
     eng.answer([row(a, 5, 1)])
-    release = threading.Event()
-    run = eng.plain.run
-
-    def held(*args, **kw):  # the packed forward waits until the test has seen the hit's answer
-        release.wait(10)
-        return run(*args, **kw)
-
-    eng.plain.run = held
     gpu = GpuThread(lambda: eng)
 
     async def go():
-        # both rows queued before the thread starts, so they are drained as one batch
-        t = [gpu.submit(row(toks(400, 62), 6, 2)), gpu.submit(row(a, 9, 3))]
+        # both rows queued before the thread starts, so they reach the engine together
+        t = [gpu.submit(row(toks(700, 62), 6, 2)), gpu.submit(row(a, 9, 3))]
         await asyncio.to_thread(gpu.start)
         hit = await asyncio.wait_for(t[1].result, 10)
         early = not t[0].result.done()
-        release.set()
-        return hit, await asyncio.wait_for(t[0].result, 10), early
+        return hit, await asyncio.wait_for(t[0].result, 20), early
 
-    try:
-        hit, cold, early = asyncio.run(go())
-    finally:
-        release.set()
+    hit, cold, early = asyncio.run(go())
     assert gpu.stop(5)
     assert hit["path"] == "hit" and cold["path"] == "cold" and early
-    assert gpu.counters["batches"] == 1
+    assert gpu.counters["batches"] == 1 and gpu.pending() == 0
 
 
-def test_gpu_thread_offers_a_row_needing_a_long_forward_once_per_batch():
-    """A new state queued behind a long batch: `between` offers it to answer_ready once (declined: it needs its own
-    forward), not at every later callback of that batch; the next batch answers it."""
-    import asyncio
-    import threading
-
-    from statecache.engine import Engine
-    from worker.gpu_thread import GpuThread
-
-    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128))
-    queued = threading.Event()
-    offered = []
-
-    class Watched:
-        def answer(self, rows, waiting_rows=0, between=None):
-            def gated():
-                queued.wait(10)
-                between()
-            return eng.answer(rows, between=gated if between else None)
-
-        def answer_ready(self, rows):
-            offered.append(len(rows))
-            return eng.answer_ready(rows)
-
-    gpu = GpuThread(lambda: Watched())
-    gpu.start()
-
-    async def main():
-        long_task = asyncio.ensure_future(gpu.answer(row(toks(900, 72), 6, 2)))  # `between` every 4 of its 8 layers
-        while not gpu.busy:
-            await asyncio.sleep(0.005)
-        new_task = asyncio.ensure_future(gpu.answer(row(toks(300, 73), 4, 3)))
-        while gpu.pending() == 0:
-            await asyncio.sleep(0.005)
-        queued.set()
-        return await long_task, await new_task
-
-    long_res, new_res = asyncio.run(main())
-    assert gpu.stop(5)
-    assert long_res["path"] == "cold" and new_res["path"] == "cold"
-    assert offered == [1]  # one offer during the long batch, though `between` ran twice in it
-    assert gpu.counters["batches"] == 2
-
-
-@pytest.mark.parametrize("layers,calls", [(4, 2), (2, 4), (0, 0)])
-def test_the_packed_forward_calls_back_every_between_layers(layers, calls):
-    """STATECACHE_BETWEEN_LAYERS: a new state's packed forward (the tiny model: 8 layers) calls `between` every that
-    many layers; 0 never inside it."""
-    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64),
-                 between_layers=layers)
-    seen = []
-    res = eng.answer([row(toks(300, 81), 5, 1)], between=lambda: seen.append(1))
-    assert res[0]["path"] == "cold" and len(seen) == calls
-
-
-def test_stats_say_where_a_batch_spent_its_time(engine):
-    """Engine.stats()["phases"]: wall seconds and rows of the batched call, the packed forward, the one-at-a-time
-    path and the `between` callbacks (what the load benchmark reads to see where a batch's time goes)."""
+def test_stats_say_where_the_engine_spent_its_time(engine):
+    """Engine.stats()["phases"]: wall seconds of the steps and the rows they finished; the other paths' phases for
+    rows the step loop does not take (what the load benchmark reads to see where the time goes)."""
     eng = engine()
     a = toks(300, 51)
-    eng.answer([row(a, 5, 1)])  # a new state: planted by the packed forward
+    eng.answer([row(a, 5, 1)])  # a new state: planted by its step
     ph = eng.stats()["phases"]
-    assert ph["packed_rows"] == 1 and ph["packed_s"] > 0 and ph["batched_rows"] == 0
-    calls = []
-    eng.answer([row(a, 9, 2), row(toks(400, 52), 6, 3)], between=lambda: calls.append(1))  # a hit, a new state
+    assert ph["step_rows"] == 1 and ph["steps"] == 1 and ph["step_s"] > 0 and ph["packed_rows"] == 0
+    eng.answer([row(a, 9, 2), row(toks(400, 52), 6, 3)])  # a hit, a new state: one step
     ph = eng.stats()["phases"]
-    assert ph["batched_rows"] == 1 and ph["batched_s"] > 0 and ph["packed_rows"] == 2
-    assert ph["between_calls"] == len(calls) > 0 and ph["between_s"] >= 0
-    eng = engine(plant_graphs=True)  # a new state through its planting graph (eagerly here): its own phase
-    eng.answer([row(a, 5, 1)])
+    assert ph["step_rows"] == 3 and ph["steps"] == 2
+    five = {"ids": a + toks(10, 3), "state_len": 300, "slots": [300, 302, 304, 306, 309], "nopts": [2] * 5}
+    eng.answer([five])  # more slots than a piece holds: the packed forward
     ph = eng.stats()["phases"]
-    assert ph["graph_rows"] == 1 and ph["graph_s"] > 0 and ph["packed_rows"] == 0
+    assert ph["packed_rows"] == 1 and ph["packed_s"] > 0 and ph["step_rows"] == 3
+    st = eng.stats()["steps"]
+    assert st["steps"] == 2 and st["pieces"] == 3 and st["failed"] == 0
 
 
-def test_new_states_plant_one_forward_each_and_answer_in_turn(engine, monkeypatch):
-    """With planting graphs (their forward run eagerly on the CPU), a batch's new states run one forward each, in
-    arrival order: each is answered (on_result) before the next one's forward starts, and the rows behind it run
-    batched right after it, as hits."""
-    eng = engine(plant_graphs=True)
-    assert eng.plain.planter is not None
-    events = []
-    real = eng.plain.planter.run
-
-    def spy(ids, *a, **k):
-        events.append(("forward", len(ids)))
-        return real(ids, *a, **k)
-
-    monkeypatch.setattr(eng.plain.planter, "run", spy)
+def test_new_pages_run_in_arrival_order_and_the_rows_behind_them_hit(engine):
+    """New pages start first come first served, as far as a step's token budget goes; the rows that share a page
+    being computed wait for its checkpoint and hit; every planted state serves the next questions."""
+    eng = engine(step_tokens=320, step_chunk=128)
     a, b, c = toks(300, 31), toks(200, 32), toks(260, 33)
+    order = []
     rows = [row(a, 5, 1), row(b, 6, 2), row(a, 7, 3), row(c, 8, 4)]
-    res = eng.answer(rows, on_result=lambda i, r: events.append(("answer", i)))
+    res = eng.answer(rows, on_result=lambda i, r: order.append(i))
     check(eng, rows, res)
     assert paths(res) == ["cold", "cold", "hit", "cold"]
-    assert events == [("forward", 305), ("answer", 0), ("answer", 2), ("forward", 206), ("answer", 1),
-                      ("forward", 268), ("answer", 3)]
-    again = [row(a, 9, 5), row(b, 9, 6), row(c, 9, 7)]  # every planted state serves the next questions
+    assert order[-1] == 3 and order.index(1) < order.index(3)  # c starts after a and b: the budget holds two pages
+    again = [row(a, 9, 5), row(b, 9, 6), row(c, 9, 7)]
     res = eng.answer(again)
     check(eng, again, res)
     assert paths(res) == ["hit", "hit", "hit"]
-
 
 
 def test_score_timings_count_every_answered_row_by_path(monkeypatch, capsys):

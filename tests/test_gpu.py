@@ -289,3 +289,42 @@ def test_planting_graph_matches_the_packed_planting_forward(kernels):
         assert hit is not None and hit.path in ("hit", "partial")
         ref = eager.forward([(q2, [len(q2) - 1], [4])])[0]
         assert max(abs(a - b) for a, b in zip(hit.probs[0], ref[0])) < 3e-2
+
+
+def test_steps_mix_new_pages_hits_and_grown_states_bf16(kernels):
+    """The step loop through the batch runner's CUDA graphs (tiny model, bf16): two new pages advance in chunks over
+    several steps while hits of an earlier state and a grown state ride beside them; every answer is near the plain
+    path's, and the pages' planted states are continued from afterwards."""
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+
+    eng = Engine(device="cuda", dtype="bfloat16", settings=CacheSettings(min_prefix=64, stride=128), compile=False,
+                 step_tokens=512, step_chunk=128)
+    assert eng.steps is not None and eng.cache.batch.use_graphs
+    V = eng.vocab_size
+    g = torch.Generator().manual_seed(11)
+
+    def t(n):
+        return torch.randint(0, V, (n,), generator=g).tolist()
+
+    def row(s, q):
+        ids = s + t(q)
+        return {"ids": ids, "state_len": len(s), "slots": [len(ids) - 2, len(ids) - 1], "nopts": [3, 4]}
+
+    a, p1, p2 = t(300), t(700), t(520)
+    assert eng.answer([row(a, 9)])[0]["path"] == "cold"
+    rows = [row(p1, 12), row(a, 7), row(a + t(90), 10), row(p2, 6), row(a, 21)]
+    got = dict(eng.submit(rows, list(range(len(rows)))))
+    steps = 0
+    while eng.pending():
+        got.update(eng.step())
+        steps += 1
+    res = [got[i] for i in range(len(rows))]
+    assert [r["path"] for r in res] == ["cold", "hit", "partial", "cold", "hit"] and steps >= 5
+    again = [row(p1, 8), row(p2, 9), row(a + t(90)[:0], 5)]
+    res2 = eng.answer(again)
+    assert [r["path"] for r in res2] == ["hit", "hit", "hit"]
+    want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows + again])
+    for r, w in zip(res + res2, want):
+        for got_slot, want_slot in zip(r["probs"], w):
+            assert max(abs(x - y) for x, y in zip(got_slot, want_slot)) < 2e-2

@@ -264,9 +264,10 @@ def test_without_unaligned_a_plan_off_the_chunks_is_refused_and_runs_packed(plan
                                                      (16, 330, True), (16, 300, True)])
 def test_the_engine_advances_to_unaligned_positions_only_for_a_cache_aligned_to_less_than_64(align, state_len,
                                                                                             unaligned):
-    """The engine turns `unaligned` on exactly when its cache is aligned to less than 64 tokens; a new state with one
-    position off the chunks then goes through the planting graph, one with two (16, 300: 272 and 288) runs packed;
-    either way its answers equal the plain forward's and its state serves the next question."""
+    """The engine turns `unaligned` on exactly when its cache is aligned to less than 64 tokens (and then runs no step
+    loop: the batched runner's snapshots sit on the 64-token chunks); a new state with one position off the chunks
+    then goes through the planting graph, one with two (16, 300: 272 and 288) runs packed; either way its answers
+    equal the plain forward's and its state serves the next question."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
     from tests.test_engine import check
@@ -282,4 +283,7 @@ def test_the_engine_advances_to_unaligned_positions_only_for_a_cache_aligned_to_
         res = eng.answer(rows)
         check(eng, rows, res)
         assert res[0]["path"] == ("cold" if k == 0 else "hit")
-    assert eng.plain.stats.get("planting_graph_rows", 0) == (1 if len(odd) <= 1 else 0)
+    # a cache on the 64-token chunks: new states run through the step loop; one aligned to less: through the planting
+    # graph when it holds the state's positions
+    assert (eng.steps is not None) == (align % 64 == 0)
+    assert eng.plain.stats.get("planting_graph_rows", 0) == (1 if eng.steps is None and len(odd) <= 1 else 0)

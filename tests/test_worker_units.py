@@ -197,7 +197,7 @@ def test_a_row_that_does_not_reach_the_model_goes_back_to_the_queue(engine, redi
             await entered(gated)
             with pytest.raises(Retry):
                 await answer(ctx, row(62))
-            assert gpu.pending() == 0  # withdrawn
+            assert gpu.pending() == 1  # withdrawn: only the blocker is left, in the engine's hands
             assert await redis.get(retry_key_prefix + job_id) == b"2"  # that try given back
             gated.gate.set()
             return await blocker

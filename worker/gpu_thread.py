@@ -1,30 +1,28 @@
 """The one thread that drives the engine (and so the GPU); the event loop never waits on it.
 
-Jobs `submit(row)` and await the returned `Ticket`: `reached` resolves when the thread takes the row into a
-batch (the row has reached the model), `result` with the row's result. The thread builds the engine itself (so
-every CUDA call, graph capture included, happens on this one thread) and only then reports itself started;
-then it loops: take everything that is ready (up to `max_batch_rows`), call
-`engine.answer(rows, waiting_rows=N)` once, N being the rows waiting beyond this batch (`waiting(pending)`:
-the ready jobs in Redis nobody took plus the rows queued here), and resolve each ticket from the thread with
-`loop.call_soon_threadsafe`. Grouping by shared state, the memo and the paths are the engine's business;
-handing it the whole drained batch at once is this thread's. After each batch, `on_batch` gets the rows'
-results and timings and a snapshot of `engine.stats()` (for the metrics). While a batch runs a long forward,
-an engine that takes a `between` callback calls it between its chunks; rows that arrived meanwhile and can be
-answered at once (`engine.answer_ready`: memo answers, continuations of saved states) are answered then (they
-reach the model and resolve there), the rest stay queued for the next batch (chunked prefill) and are not offered
-again while this batch runs.
+Jobs `submit(row)` and await the returned `Ticket`: `reached` resolves when the thread hands the row to the engine
+(the row has reached the model), `result` with the row's result. The thread builds the engine itself (so every CUDA
+call, graph capture included, happens on this one thread) and only then reports itself started; then it loops, a
+step at a time (nano-vllm's `step()`): take what is ready here (up to `max_batch_rows`, without waiting while the
+engine has rows in its schedule), hand it to the engine (`engine.submit(rows, tickets, waiting_rows=N)`, N being the
+rows waiting beyond it: `waiting(pending)`, the ready jobs in Redis nobody took plus the rows queued here), resolve
+what it answered at once (bad rows, memo answers, rows of its other paths), run one step (`engine.step()`) and
+resolve the rows it finished, each from the thread with `loop.call_soon_threadsafe`. Scheduling (which pieces of
+which rows a step runs, grouping by shared state, new pages in chunks beside the hits) is the engine's business;
+nothing re-enters the engine from inside a forward. After each turn, `on_batch` gets the rows it answered with their
+results and a snapshot of `engine.stats()` (for the metrics).
 
-The worker never dies of a row: if the engine raises on a batch, the rows are retried one at a time and a
-row that still raises gets an `internal` error result. Rows whose job was cancelled or withdrawn meanwhile
-are skipped.
+The worker never dies of a row: if the engine raises on a submission, its rows are submitted again one at a time and
+a row that still raises gets an `internal` error result; if a step raises, the rows in the schedule get an `internal`
+error (the engine's schedule is cleared). Rows whose job was cancelled or withdrawn before they reached the engine
+are skipped. On stop, nothing new is taken; the rows in the schedule are run to their end (within the stop's wait).
 
-Knows the engine contract (`answer`, `stats`) and asyncio futures; does not know Redis or arq.
+Knows the engine contract (`submit`, `step`, `pending`, `stats`) and asyncio futures; does not know Redis or arq.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 import time
@@ -62,9 +60,9 @@ def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any = N
 
 class Ticket:
     """One row (or one call) handed to the thread. `reached`/`result` are futures of the submitting loop;
-    `reached_at` (time.time()) and `engine_s` (the batch's engine time) are set by the thread."""
+    `reached_at` (time.time()) and `engine_s` (seconds from reaching the engine to its answer) are set by the thread."""
 
-    __slots__ = ("kind", "payload", "loop", "reached", "result", "reached_at", "engine_s", "early")
+    __slots__ = ("kind", "payload", "loop", "reached", "result", "reached_at", "engine_s", "started")
 
     def __init__(self, kind: str, payload: Any, loop: asyncio.AbstractEventLoop):
         self.kind, self.payload, self.loop = kind, payload, loop
@@ -72,7 +70,7 @@ class Ticket:
         self.result: asyncio.Future = loop.create_future()
         self.reached_at = 0.0
         self.engine_s = 0.0
-        self.early = False  # answered before its batch ended (engine_s: when)
+        self.started = 0.0  # perf_counter when it reached the engine
 
     def dead(self) -> bool:
         return self.result.cancelled()
@@ -99,10 +97,9 @@ class GpuThread:
         self.engine: Any = None
         self.engine_stats: dict = {}  # the last engine.stats() snapshot (taken on this thread after each batch)
         self.busy = False  # a batch is running
-        self._step_at = time.monotonic()  # when the engine last finished a step (a batch, a piece of one: stalled_s)
-        self._early: tuple | None = None  # (the running batch's tickets, its start) for answers handed back early
-        self._declined: set[Ticket] = set()  # see _run_batch_inner and _between
-        self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "engine_errors": 0, "busy_s": 0.0, "between_rows": 0}
+        self._step_at = time.monotonic()  # when the engine last finished a turn (stalled_s)
+        self._scheduled: dict[int, Ticket] = {}  # id(ticket) -> ticket: rows handed to the engine, not answered yet
+        self.counters = {"batches": 0, "rows": 0, "largest_batch": 0, "engine_errors": 0, "busy_s": 0.0}
 
     # --- event-loop side ---------------------------------------------------------------------------------
 
@@ -144,12 +141,12 @@ class GpuThread:
         return await self.submit(fn, "call").result
 
     def pending(self) -> int:
-        """Rows waiting for the thread, not counting the batch it is running."""
-        return len(self._items)
+        """Rows not answered yet: queued here, or handed to the engine and in its schedule."""
+        return len(self._items) + len(self._scheduled)
 
     def stalled_s(self) -> float:
-        """Seconds the engine has been inside one step (since the batch began, or it last called `between` or
-        handed back an answer early); 0 while the thread is idle. The worker's liveness reads it."""
+        """Seconds the engine has been inside one turn (a submission and a step); 0 while the thread is idle. The
+        worker's liveness reads it."""
         return time.monotonic() - self._step_at if self.busy else 0.0
 
     def making_progress(self, bound_s: float) -> bool:
@@ -161,7 +158,8 @@ class GpuThread:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, wait_s: float) -> bool:
-        """Let the running batch finish (up to `wait_s`), cancel what still waits; True if the thread ended."""
+        """Take nothing new; let the rows in the engine's schedule finish (up to `wait_s`), cancel what still waits
+        here; True if the thread ended."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
@@ -183,24 +181,28 @@ class GpuThread:
         self._ready.set()
         try:
             while True:
-                batch = self._take()
-                if batch is None:
+                got = self._take()
+                if got is None:
                     break
-                self._run_batch(batch)
+                try:
+                    self._turn(got)
+                finally:
+                    self.busy = bool(self._scheduled)
         finally:
             with self._cv:
                 left, self._items = list(self._items), deque()
-            for t in left:
+            for t in left + list(self._scheduled.values()):
                 _settle(t.loop, t.result, cancel=True)  # the job is re-queued by arq, not answered with an error
 
     def _take(self) -> list[Ticket] | None:
+        """What is ready here (nothing waited for while the engine has rows in its schedule); None: stop now."""
         with self._cv:
-            while not self._items and not self._stopping:
+            while not self._items and not self._scheduled and not self._stopping:
                 self._cv.wait()
-            if self._stopping:
+            if self._stopping and not self._scheduled:
                 return None
             batch = []
-            while self._items and len(batch) < self._max_batch_rows:
+            while self._items and len(batch) < self._max_batch_rows and not self._stopping:
                 batch.append(self._items.popleft())
             self._step_at = time.monotonic()
             self.busy = True
@@ -212,13 +214,9 @@ class GpuThread:
         except Exception:  # noqa: BLE001 - metrics are not worth a failed batch
             log.exception("engine.stats() failed")
 
-    def _run_batch(self, batch: list[Ticket]) -> None:
-        try:
-            self._run_batch_inner(batch)
-        finally:
-            self.busy = False
-
-    def _run_batch_inner(self, batch: list[Ticket]) -> None:
+    def _turn(self, batch: list[Ticket]) -> None:
+        """One turn: the new rows handed to the engine, then one step."""
+        t0 = time.perf_counter()
         rows = []
         for t in batch:
             if t.dead():
@@ -230,136 +228,75 @@ class GpuThread:
                     _settle(t.loop, t.result, exc=e)
             else:
                 rows.append(t)
-        if not rows:
-            return
-        now = time.time()
-        for t in rows:
-            t.reached_at = now
-            _settle(t.loop, t.reached, True)
-        waiting = max(0, int(self._waiting(self.pending())))
-        t0 = time.perf_counter()
-        self._declined = set()  # queued tickets `between` found needing a long forward, during this batch
-        self._early = (rows, t0)
-        try:
-            results = self._answer([t.payload for t in rows], waiting)
-        finally:
-            self._early = None
-        engine_s = time.perf_counter() - t0
-        c = self.counters
-        c["busy_s"] += engine_s
-        c["batches"] += 1
-        c["rows"] += len(rows)
-        c["largest_batch"] = max(c["largest_batch"], len(rows))
-        log.debug("batch of %d rows (%d waiting) in %.1f ms", len(rows), waiting, 1e3 * engine_s)
-        self._snapshot()
-        for t in rows:
-            if not t.early:  # those answered early keep the time they were answered at
-                t.engine_s = engine_s
-        if self._on_batch is not None:
+        done: list = []
+        if rows:
+            with self._cv:  # the rows queued behind these (not those the engine already holds)
+                waiting = max(0, int(self._waiting(len(self._items))))
+            now = time.time()
+            for t in rows:
+                t.reached_at, t.started = now, t0
+                _settle(t.loop, t.reached, True)
+                self._scheduled[id(t)] = t
+            done += self._submit(rows, waiting)
+            c = self.counters
+            c["batches"] += 1
+            c["rows"] += len(rows)
+            c["largest_batch"] = max(c["largest_batch"], len(rows))
+        if self._scheduled and self.engine.pending():
             try:
-                self._on_batch(rows, results, engine_s, self.engine_stats)
-            except Exception:  # noqa: BLE001
-                log.exception("the batch hook failed")
-        for t, result in zip(rows, results):
-            _settle(t.loop, t.result, result)
-
-    def _call(self, rows: list, waiting: int) -> list[dict]:
-        if self._chunked():  # chunked prefill: rows of saved states that arrive meanwhile go between chunks
-            results = list(self.engine.answer(rows, waiting_rows=waiting, between=self._between,
-                                              **({"on_result": self._on_result} if self._early_ok else {})))
-        else:
-            results = list(self.engine.answer(rows, waiting_rows=waiting))
-        if len(results) != len(rows):
-            raise RuntimeError(f"engine returned {len(results)} results for {len(rows)} rows")
-        return results
-
-    def _chunked(self) -> bool:
-        """Does the engine take a `between` callback and answer rows between chunks (`answer_ready`)?"""
-        if not hasattr(self, "_chunked_ok"):
-            try:
-                params = inspect.signature(self.engine.answer).parameters
-            except (TypeError, ValueError):
-                params = {}
-            self._chunked_ok = "between" in params and callable(getattr(self.engine, "answer_ready", None))
-            self._early_ok = "on_result" in params
-        return self._chunked_ok
-
-    def _on_result(self, i: int, result: dict) -> None:
-        """The engine knows row i of the running batch's result before the batch ends (a hit, before a new page's
-        long forward): its job gets it now."""
-        self._step_at = time.monotonic()
-        early = self._early
-        if early is None or not 0 <= i < len(early[0]):
-            return
-        t = early[0][i]
-        t.engine_s, t.early = time.perf_counter() - early[1], True
-        _settle(t.loop, t.result, result)
-
-    def _between(self) -> None:
-        """Called by the engine between the chunks of a long forward: the rows that arrived meanwhile and can be
-        answered at once (`engine.answer_ready`: memo, batched continuations of saved states) reach the model and
-        are resolved now; the others go back to the front of the queue, in order, for the next batch (still
-        withdrawable by the intake)."""
-        self._step_at = time.monotonic()  # the engine finished a piece of the running batch
-        with self._cv:
-            if not self._items or self._stopping:
-                return
-            taken = [t for t in self._items if t.kind == "row" and not t.dead() and t not in self._declined]
-            taken = taken[: self._max_batch_rows]
-            if not taken:
-                return
-            ids = {id(t) for t in taken}
-            self._items = deque(t for t in self._items if id(t) not in ids)
-        t0 = time.perf_counter()
-        try:
-            results = list(self.engine.answer_ready([t.payload for t in taken]))
-            if len(results) != len(taken):
-                raise RuntimeError(f"answer_ready returned {len(results)} results for {len(taken)} rows")
-        except Exception:  # noqa: BLE001 - they wait for the next batch instead
-            log.exception("answering rows between chunks failed")
-            results = [None] * len(taken)
+                done += self.engine.step()
+            except Exception as e:  # noqa: BLE001 - the rows in the schedule fail, the worker goes on
+                self.counters["engine_errors"] += 1
+                log.exception("a step failed; failing the %d rows in the schedule", len(self._scheduled))
+                clear = getattr(self.engine, "clear_schedule", None)
+                if clear is not None:
+                    clear()
+                done += [(k, _internal_error(e)) for k in list(self._scheduled)]
+        elif self._scheduled:  # the engine holds none of them (it lost them): they fail rather than wait forever
+            log.error("%d rows were handed to the engine and never answered", len(self._scheduled))
+            done += [(k, error_result("internal", "the engine lost this row; see the worker log"))
+                     for k in list(self._scheduled)]
         engine_s = time.perf_counter() - t0
+        self.counters["busy_s"] += engine_s
         self._step_at = time.monotonic()
-        done = [(t, r) for t, r in zip(taken, results) if r is not None]
-        back = [t for t, r in zip(taken, results) if r is None]
-        if back:
-            # they need a long forward of their own: not offered again until this batch ends (each offer re-checks
-            # the row on this thread, which a long forward's host time can least afford)
-            self._declined.update(back)
-            with self._cv:
-                self._items.extendleft(reversed(back))
-        self.counters["between_rows"] += len(done)
         if not done:
             return
-        now = time.time()
-        for t, _ in done:
-            t.reached_at, t.engine_s = now, engine_s
-            _settle(t.loop, t.reached, True)
+        end = time.perf_counter()
+        tickets, results = [], []
+        for key, result in done:
+            t = self._scheduled.pop(key, None)
+            if t is None:
+                continue
+            t.engine_s = end - t.started
+            tickets.append(t)
+            results.append(result)
+        self._snapshot()
         if self._on_batch is not None:
             try:
-                self._on_batch([t for t, _ in done], [r for _, r in done], engine_s, self.engine_stats)
+                self._on_batch(tickets, results, engine_s, self.engine_stats)
             except Exception:  # noqa: BLE001
                 log.exception("the batch hook failed")
-        for t, result in done:
+        for t, result in zip(tickets, results):
             _settle(t.loop, t.result, result)
 
-    def _answer(self, rows: list, waiting: int) -> list[dict]:
+    def _submit(self, rows: list[Ticket], waiting: int) -> list[tuple]:
+        """engine.submit, each row tagged by its ticket; a submission that raises is made again one row at a time, and
+        a row that still raises gets an `internal` error."""
         try:
-            return self._call(rows, waiting)
+            return list(self.engine.submit([t.payload for t in rows], [id(t) for t in rows], waiting_rows=waiting))
         except Exception as e:
             self.counters["engine_errors"] += 1
-            log.exception("engine failed on a batch of %d rows; answering them one at a time", len(rows))
+            log.exception("engine failed on a submission of %d rows; submitting them one at a time", len(rows))
             if len(rows) == 1:
-                return [_internal_error(e)]
-        self._early = None  # one at a time now: indices no longer match the batch's tickets
-        results = []
-        for row in rows:
+                return [(id(rows[0]), _internal_error(e))]
+        out = []
+        for t in rows:
             try:
-                results += self._call([row], waiting)
+                out += self.engine.submit([t.payload], [id(t)], waiting_rows=waiting)
             except Exception as e:
                 log.exception("engine failed on a row")
-                results.append(_internal_error(e))
-        return results
+                out.append((id(t), _internal_error(e)))
+        return out
 
 
 def _internal_error(e: Exception) -> dict:

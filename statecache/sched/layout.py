@@ -37,9 +37,10 @@ class Layout:
         """p: where the state's deepest checkpoint sits."""
         return state_end(state_len, self.align)
 
-    def positions(self, start: int, state_len: int) -> list[int]:
-        """The checkpoints a state of `state_len` tokens plants when computed from `start` (0: nothing restored)."""
+    def positions(self, start: int, state_len: int, forks: tuple = ()) -> list[int]:
+        """The checkpoints a state of `state_len` tokens plants when computed from `start` (0: nothing restored), with
+        its fork points `forks` (those deeper than `start`)."""
         p = self.end(state_len)
         mc = self.max_chunk if self.max_chunk is not None else max(p, self.align)
         return plan_chunks(start, state_len, stride=self.stride, tail=self.tail, align=self.align,
-                           max_chunk=mc - mc % self.align)
+                           max_chunk=mc - mc % self.align, extra=tuple(x for x in forks if x > start))

@@ -18,7 +18,8 @@ the whole budget runs alone in a step of its own.
 A computation plants the checkpoints the engine's rule gives (`Layout.positions`: p, p - tail, the multiples of
 stride below p, aligned, deeper than where it restored) in the piece whose range (start, end] holds each one. A new
 state (nothing restored) asks the `cold_ok` policy (statecache.policy, the one place that decides) once, when its
-first piece is granted; declined, it plants nothing. A row answers when its last piece has run (`done`).
+first piece is granted; declined, it plants nothing, and the rows waiting with the same state are not asked about
+again (they run as it does). A row answers when its last piece has run (`done`).
 A row never computes what another row is computing: a row whose tokens reach a checkpoint that a started
 computation will plant (in this step or an earlier unfinished one) and that is deeper than what the cache holds
 for it waits, and takes the checkpoint when it is planted (usually a hit). Steps may be planned ahead of `done`
@@ -55,6 +56,7 @@ class Row:
     state_len: int
     slots: Sequence[int] = ()
     cacheable: bool = True
+    forks: tuple = ()  # positions below p where its tokens leave a cached state's (statecache.cache.fork_point): planted
 
     @property
     def n(self) -> int:
@@ -152,17 +154,23 @@ class Scheduler:
         self._serial = 0  # steps planned
         self._done = 0  # steps done
         self._lookups: dict[Hashable, tuple[int, object]] = {}  # rid -> (view version, found)
+        self._declined: set = set()  # waiting rows whose state cold_ok declined for a row before them
+        self.backlog = 0  # rows waiting beyond the schedule (the caller's view of its queue): cold_ok's waiting_rows
         self.stats = {"steps": 0, "pieces": 0, "tokens": 0, "declined": 0, "waited": 0}
 
     # ---- rows in -------------------------------------------------------------------------------------------------
 
-    def add(self, row: Row) -> None:
+    def add(self, row: Row, found=None) -> None:
+        """A row joins the waiting rows. found: the caller's own `view.lookup(row.ids, p)`, made while the view's
+        version is what it is now (kept instead of looking again)."""
         if row.rid in self._jobs or any(r.rid == row.rid for _, r in self._waiting):
             raise ValueError(f"row {row.rid!r} is already scheduled")
         if row.state_len < 0 or row.state_len > row.n or row.n < 1:
             raise ValueError(f"row {row.rid!r}: state_len {row.state_len} outside its {row.n} tokens")
         self._waiting.append((self._seq, row))
         self._seq += 1
+        if found is not None:
+            self._lookups[row.rid] = (self.view.version, found)
 
     def pending(self) -> int:
         """Rows not finished (waiting or started)."""
@@ -196,7 +204,7 @@ class Scheduler:
             if piece is None:
                 break  # first come first served: nothing later jumps a piece that does not fit
             if job.row.rid not in self._jobs:
-                self._start(job, step, len(cands))
+                self._start(job, step, self.pending() - len(started))  # started rows are in both lists
                 started.add(job.row.rid)
                 piece = self._cut(job, left, empty=not step.pieces)  # with its planting decided
             self._take(job, piece)
@@ -216,7 +224,9 @@ class Scheduler:
         self._done = step.serial
         out = []
         for pc in step.pieces:
-            job = self._jobs[pc.rid]
+            job = self._jobs.get(pc.rid)
+            if job is None:  # dropped since it was planned
+                continue
             if pc.restore is not None:
                 self.view.touch(pc.restore)
             if pc.plants:
@@ -228,9 +238,26 @@ class Scheduler:
             if pc.answer:
                 del self._jobs[pc.rid]
                 self._planting.pop(pc.rid, None)
+                self._declined.discard(pc.rid)
                 self._lookups.pop(pc.rid, None)
                 out.append(Finished(job.row, job.path, job.start, job.row.n - job.start, job.pieces))
         return out
+
+    def drop(self, rid: Hashable) -> Row | None:
+        """Forget a row, waiting or started (its computation failed, or its caller gave it up): nothing of it runs
+        again, the checkpoints it had still to plant are not waited for. Returns the row (None: not scheduled).
+        Steps already planned that hold its pieces may still be `done` (those pieces are skipped)."""
+        self._lookups.pop(rid, None)
+        self._planting.pop(rid, None)
+        self._declined.discard(rid)
+        job = self._jobs.pop(rid, None)
+        if job is not None:
+            return job.row
+        for k, (_, row) in enumerate(self._waiting):
+            if row.rid == rid:
+                del self._waiting[k]
+                return row
+        return None
 
     # ---- internals -----------------------------------------------------------------------------------------------
 
@@ -286,17 +313,24 @@ class Scheduler:
         row = job.row
         plant = job.kind != HITS and row.cacheable and job.p > 0
         if plant and job.start == 0:
-            same = sum(1 for _, r in self._waiting if r.cacheable and self.layout.end(r.state_len) == job.p
-                       and _same(r.ids, row.ids, job.p))
-            ctx = ColdContext(state_tokens=job.p, state_bytes=self.view.state_bytes(row.state_len),
-                              budget_bytes=self.view.budget_bytes, used_bytes=self.view.used_bytes,
-                              sharing_rows=max(1, same), batch_rows=batch_rows, waiting_rows=len(self._waiting))
-            plant = bool(self.cold_ok(ctx))
+            if row.rid in self._declined:  # its state was declined for a row before it: not asked again
+                self._declined.discard(row.rid)
+                plant = False
+            else:
+                same = [r for _, r in self._waiting if r.cacheable and self.layout.end(r.state_len) == job.p
+                        and _same(r.ids, row.ids, job.p)]
+                ctx = ColdContext(state_tokens=job.p, state_bytes=self.view.state_bytes(row.state_len),
+                                  budget_bytes=self.view.budget_bytes, used_bytes=self.view.used_bytes,
+                                  sharing_rows=max(1, len(same)), batch_rows=batch_rows, waiting_rows=self.backlog,
+                                  host_budget_bytes=getattr(self.view, "host_budget_bytes", 0))
+                plant = bool(self.cold_ok(ctx))
+                if not plant:
+                    self.stats["declined"] += 1
+                    self._declined.update(r.rid for r in same if r.rid != row.rid)
             if not plant:
                 job.path = PLAIN
-                self.stats["declined"] += 1
         if plant:
-            job.todo = self.layout.positions(job.start, row.state_len)
+            job.todo = self.layout.positions(job.start, row.state_len, row.forks)
             job.unplanted = list(job.todo)
             if job.todo:
                 self._planting[row.rid] = job

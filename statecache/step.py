@@ -1,0 +1,394 @@
+"""The step loop's runner: rows in, one GPU step at a time, rows out when their last piece has run.
+
+`Steps` holds the rows the engine handed it (`add`), asks the scheduler (statecache.sched.Scheduler) for each step's
+pieces, runs them as packed forwards of the batched runner (statecache.batch.BatchRunner: each sequence continues
+from its own state, so hits, grown states and the chunks of new pages ride in one forward), plants the checkpoints
+the pieces passed and returns the rows it finished (`step`). What a row carries between its steps lives here
+(`_Live`): its conv tails and GDN state at its next piece's start and its own K/V of [0, p) (the restored prefix,
+then each piece's chunk), which becomes its group's K/V when it plants.
+
+Planting is deferred to a state's last checkpoint: the group is made once, with all its checkpoints (a group's K/V
+must not move to the host tier while a row still writes them). A row whose first piece restores a checkpoint on the
+host tier gets it copied back first (StateCache.bring's promote), all the step's restores pinned meanwhile.
+
+Failure isolation: a forward that raises is halved until the failing piece stands alone; device memory running out
+(torch.OutOfMemoryError) first frees cache (half the device budget's least recently used checkpoints, to the host
+tier where there is one), empties the allocator's cache and runs the halves again; a row that fails alone is
+dropped from the schedule and returned with its error (`out_of_memory` when memory ran out with nothing left to free).
+
+Knows the batched runner, the cache's payload layout and the scheduler; nothing of Redis, the memo or the worker.
+Text rows of the trunk only: the engine keeps image rows and specialists on its other paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .batch import SNAPS_PER_PIECE, NotBatched, Piece
+from .cache import Answer, StateCache
+from .graphs import n_options
+from .index import DEVICE
+from .sched import Layout, Row, Scheduler
+
+log = logging.getLogger("statecache.step")
+
+BUDGET_TOKENS = 2048  # tokens a step holds (bench/step_sim.py's choice for the 9B shape on an H200: bench/README.md)
+CHUNK_TOKENS = 1024  # the most a new page advances in one step (capped at the batched runner's longest piece)
+
+
+class RowFailed(Exception):
+    """A row that could not run: `code` and `message` make its error result."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+        self.row: dict | None = None  # the checked row (set when it leaves the schedule)
+
+
+@dataclass(eq=False)
+class _Live:
+    """A row in the schedule: what it is and what it carries between steps."""
+
+    key: object  # the engine's handle (its memo key)
+    row: dict  # the checked row: ids (int64 array), state_len, slots, options
+    p: int  # where its state's deepest checkpoint goes (0: it plants nothing: the cache does not take it)
+    cap: int  # its K/V buffer's length: p, or for a row the cache does not take its first slot rounded down
+    pinned: object = None  # the checkpoint found at `add`, pinned until the row ends (its follow-up is protected)
+    conv: torch.Tensor | None = None  # state at the next piece's start (after its first piece)
+    S: torch.Tensor | None = None
+    K: torch.Tensor | None = None  # its own K/V of [0, cap) (rows of more than one piece, or that plant)
+    V: torch.Tensor | None = None
+    snaps: list = field(default_factory=list)  # (pos, conv, S) computed, to plant
+    probs: list | None = None
+
+
+class CacheView:
+    """statecache.sched's CacheView over the engine's StateCache: token-exact lookups on both tiers (a host checkpoint
+    only when it fits the device budget: it is copied back when its row runs); `planted` hands the positions a row's
+    pieces passed to `Steps`, which plants them."""
+
+    def __init__(self, cache: StateCache, on_planted):
+        self.cache, self.index = cache, cache.index
+        self._on_planted = on_planted
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.index.budget_bytes
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return self.index.host_budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.bytes
+
+    @property
+    def version(self) -> int:
+        return self.index.version
+
+    def lookup(self, ids, limit: int):
+        c = self.index.lookup(ids, limit)
+        if c is not None and c.tier != DEVICE:
+            need = c.nbytes + (c.group.nbytes if c.group.tier != DEVICE else 0)
+            if need > self.index.budget_bytes:  # it could never come back: the deepest device checkpoint instead
+                c = self.index.lookup(ids, limit, host=False)
+        return c
+
+    def touch(self, found) -> None:
+        self.index.touch(found)
+
+    def planted(self, state, ids, p: int, positions, last: bool) -> None:
+        self._on_planted(state, positions, last)
+
+    def state_bytes(self, state_len: int) -> int:
+        return self.cache.state_bytes(state_len)
+
+
+class Steps:
+    def __init__(self, cache: StateCache, runner, cold_ok=None, *, budget_tokens: int = BUDGET_TOKENS,
+                 chunk_tokens: int = CHUNK_TOKENS):
+        if runner.spec is not None:
+            raise ValueError("the step loop runs the trunk only (specialists take the engine's other paths)")
+        self.cache, self.runner = cache, runner
+        a = cache.s.align
+        chunk = min(chunk_tokens, runner.max_piece)
+        chunk -= chunk % a
+        budget = min(budget_tokens, runner.max_tokens)
+        self.view = CacheView(cache, self._planted)
+        self.sched = Scheduler(self.view, Layout(cache.s.stride, cache.s.tail, a), budget_tokens=budget,
+                               chunk_tokens=chunk, max_seqs=runner.max_batch, cold_ok=cold_ok,
+                               max_plants_piece=SNAPS_PER_PIECE)
+        self.live: dict[int, _Live] = {}
+        self._rid = 0
+        st = runner.st
+        self._zero_conv = torch.zeros_like(st.conv[:, 0])
+        self._zero_S = torch.zeros_like(st.S[:, 0])
+        self._planting: dict[int, list] = {}  # rid -> positions planted so far (deferred to the last one)
+        self.stats = {"steps": 0, "forwards": 0, "pieces": 0, "tokens": 0, "oom_relieved": 0, "oom_failed": 0,
+                      "failed": 0}
+
+    # ---- which rows ----------------------------------------------------------------------------------------------
+
+    def takes(self, row: dict) -> bool:
+        """Can this checked row run here? Text rows whose question (from the aligned first slot, or p for a row the
+        cache takes) fits one piece, with at most the runner's slots, inside its longest key span."""
+        if "mm" in row or len(row["slots"]) > self.runner.max_slots or len(row["slots"]) != len(row["options"]):
+            return False
+        n = len(row["ids"])
+        if n < 1 or n > self.runner.bk.max_keys:
+            return False
+        if self._cacheable(row):
+            return n - self.cache.state_end(row["state_len"]) <= self.runner.max_piece
+        first = min(row["slots"])
+        return n - (first - first % self.cache.s.align) <= self.runner.max_piece
+
+    def _cacheable(self, row: dict) -> bool:
+        return self.cache.s.mb > 0 and self.cache.eligible(row["ids"], row["state_len"], row["slots"])
+
+    def add(self, key, row: dict) -> int:
+        """Schedule a checked row (`takes` it); returns its id in this schedule."""
+        self._rid += 1
+        rid = self._rid
+        cacheable = self._cacheable(row)
+        p = self.cache.state_end(row["state_len"]) if cacheable else 0
+        first = min(int(x) for x in row["slots"])
+        live = _Live(key, row, p, p if cacheable else first - first % self.cache.s.align)
+        forks: tuple = ()
+        found = None
+        if cacheable:
+            found = self.view.lookup(row["ids"], p)
+            if found is not None:
+                self.cache.index.pin(found)
+                live.pinned = found
+            x = self.cache.fork_point(row["ids"], p, found.pos if found is not None else 0)
+            forks = (x,) if x else ()
+        self.live[rid] = live
+        self.sched.add(Row(rid, row["ids"], row["state_len"], tuple(int(s) for s in row["slots"]), cacheable, forks),
+                       found)
+        return rid
+
+    def pending(self) -> int:
+        return len(self.live)
+
+    # ---- one step ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[object, Answer | RowFailed]]:
+        """Plan and run one step -> (key, Answer or RowFailed) for each row it finished or failed."""
+        step = self.sched.plan()
+        if not step.pieces:
+            return []
+        out: list = []
+        items = self._restore(step, out)
+        self.stats["steps"] += 1
+        self.stats["pieces"] += len(items)
+        self.stats["tokens"] += step.tokens
+        for failed, error in self._run(items):
+            out.append(self._fail(failed, error))
+        for fin in self.sched.done(step):
+            live = self.live.pop(fin.row.rid)
+            self._end(fin.row.rid, live)
+            if fin.path != "plain":  # the cache's rows (the engine counts plain ones)
+                st = self.cache.stats
+                st["rows"] += 1
+                st["batched"] = st.get("batched", 0) + 1
+                st["hits" if fin.path == "hit" else fin.path] += 1
+                st["tokens_reused"] += fin.reused
+                st["tokens_computed"] += fin.computed
+            out.append((live.key, Answer(live.probs, fin.path, fin.reused, fin.computed)))
+        self.cache.stats["evicted"] += len(self.cache.index.evict())
+        return out
+
+    def _restore(self, step, out: list) -> list:
+        """The step's pieces as (runner Piece, scheduler piece, _Live): restores brought to the device first (all of
+        them pinned meanwhile); a row whose restore cannot be brought fails with `retry` (the engine runs it again
+        another way)."""
+        index, st = self.cache.index, self.cache.stats
+        restores = [pc.restore for pc in step.pieces if pc.restore is not None]
+        for c in restores:
+            index.pin(c)
+        try:
+            for c in restores:
+                if c.tier != DEVICE and index.promote(c):
+                    st["restored_host"] += 1
+                elif c.tier == DEVICE:
+                    st["restored_device"] += 1
+        finally:
+            for c in restores:
+                index.unpin(c)
+        items = []
+        for pc in step.pieces:
+            live = self.live.get(pc.rid)
+            if live is None:
+                continue
+            if pc.restore is not None and (pc.restore.tier != DEVICE or pc.restore.payload is None):
+                out.append(self._fail(pc.rid, RowFailed("retry", "its checkpoint could not be brought to the device")))
+                continue
+            try:
+                items.append((self._piece(pc, live), pc, live))
+            except Exception as e:  # noqa: BLE001 - this row only
+                out.append(self._fail(pc.rid, RowFailed("retry", f"{type(e).__name__}: {e}")))
+        return items
+
+    def _piece(self, pc, live: _Live) -> Piece:
+        """The runner's piece for scheduler piece `pc` of row `live`; allocates the row's K/V buffer of [0, cap) at
+        its first piece when it has more pieces to come or plants."""
+        row, s, e = live.row, pc.start, pc.end
+        if pc.restore is not None:
+            conv, S = pc.restore.payload[:2]
+            K, V = pc.restore.group.payload[:2]
+        elif pc.continues:
+            conv, S, K, V = live.conv, live.S, live.K, live.V
+        else:
+            conv, S, K, V = self._zero_conv, self._zero_S, None, None
+        if live.K is None and (not pc.answer or pc.plants):  # more to come, or a group to make
+            ref = self.runner.st.K
+            live.K = ref.new_empty((ref.shape[0], live.cap, *ref.shape[2:]))
+            live.V = torch.empty_like(live.K)
+            if s:
+                live.K[:, :s].copy_(K[:, :s])
+                live.V[:, :s].copy_(V[:, :s])
+        inside = tuple(x for x in pc.plants if x < e)
+        if not s:
+            K = V = None
+        if pc.answer:
+            return Piece(row["ids"], s, e, conv, S, K, V, tuple(int(x) for x in row["slots"]), tuple(row["options"]),
+                         0, inside, keep_state=False)
+        return Piece(row["ids"], s, e, conv, S, K, V, snaps=inside)
+
+    def _run(self, items: list) -> list[tuple[int, RowFailed]]:
+        """Every piece through packed forwards (split at the runner's limits), isolating failures; returns the rows
+        that failed."""
+        r = self.runner
+        groups, cur, tokens, snaps = [], [], 0, 0
+        for it in items:
+            n, k = it[0].e - it[0].s, len(it[0].snaps)
+            if cur and (len(cur) == r.max_batch or tokens + n > r.max_tokens or snaps + k > r.max_snaps):
+                groups.append(cur)
+                cur, tokens, snaps = [], 0, 0
+            cur.append(it)
+            tokens += n
+            snaps += k
+        if cur:
+            groups.append(cur)
+        failed: list = []
+        for g in groups:
+            failed += self._forward(g)
+        return failed
+
+    def _forward(self, items: list) -> list[tuple[int, RowFailed]]:
+        """One packed forward of `items` -> the rows that failed. Device memory running out frees cache and runs the
+        same forward again while there is cache to free, then runs it in halves; any other failure runs it in halves
+        until the failing piece stands alone."""
+        pieces = [it[0] for it in items]
+        r = self.runner
+        try:
+            r.ensure_pieces(pieces)
+            r.load(pieces)
+            out = r.forward(pieces)
+            probs = r.read(out).numpy() if any(pc.answer for _, pc, _ in items) else None
+            self.stats["forwards"] += 1
+            self._keep(items, probs)
+            return []
+        except torch.OutOfMemoryError as e:
+            if self._relieve():
+                return self._forward(items)
+            if len(items) == 1:
+                self.stats["oom_failed"] += 1
+                return [(items[0][1].rid, RowFailed(
+                    "out_of_memory", f"device memory ran out for this row alone with the cache emptied ({e}); give the "
+                    "worker a device with more free memory, or lower STATECACHE_MAX_ROW_TOKENS"))]
+            h = len(items) // 2
+            return self._forward(items[:h]) + self._forward(items[h:])
+        except Exception as e:  # noqa: BLE001 - isolate the failing row by halving
+            if len(items) == 1:
+                log.warning("a step's piece failed: %s: %s", type(e).__name__, str(e)[:200])
+                code = "internal" if not isinstance(e, NotBatched) else "retry"
+                return [(items[0][1].rid, RowFailed(code, f"{type(e).__name__}: {e}"))]
+            h = len(items) // 2
+            return self._forward(items[:h]) + self._forward(items[h:])
+
+    def _relieve(self) -> bool:
+        """Device memory ran out: move half the device tier's bytes out (least recently used first; to the host tier
+        where there is one) and give the allocator's cached blocks back. False when the device tier had nothing left
+        to give (the caller then runs smaller forwards)."""
+        index = self.cache.index
+        before = index.bytes
+        if before:
+            budget = index.budget_bytes
+            index.budget_bytes = before // 2
+            try:
+                self.cache.stats["evicted"] += len(index.evict())
+            finally:
+                index.budget_bytes = budget
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        freed = index.bytes < before
+        if freed:
+            self.stats["oom_relieved"] += 1
+            log.warning("device memory ran out in a step: moved %.1f MiB of the cache out of the device; running the "
+                        "forward again", (before - index.bytes) / 2**20)
+        return freed
+
+    def _keep(self, items: list, probs) -> None:
+        """After a forward: each piece's chunk K/V into its row's buffer, its end state and snapshots kept, answers."""
+        r = self.runner
+        pieces = [it[0] for it in items]
+        for b, (bp, pc, live) in enumerate(items):
+            s, e = pc.start, pc.end
+            if live.K is not None:
+                upto = min(e, live.K.shape[1])
+                if upto > s:
+                    Kc, Vc = r.chunk_kv(pieces, b)
+                    live.K[:, s:upto].copy_(Kc[:, : upto - s])
+                    live.V[:, s:upto].copy_(Vc[:, : upto - s])
+            for pos, (conv, S) in zip(bp.snaps, r.snapshot(pieces, b)) if bp.snaps else ():
+                live.snaps.append((pos, conv.clone(), S.clone()))
+            if pc.answer:
+                live.probs = [probs[b, j, : n_options(k)].tolist() for j, k in enumerate(bp.nopts)]
+            else:
+                live.conv, live.S = r.st.conv[:, b].clone(), r.st.S[:, b].clone()
+                if e in pc.plants:
+                    live.snaps.append((e, live.conv, live.S))
+
+    # ---- planting and ends ---------------------------------------------------------------------------------------
+
+    def _planted(self, rid, positions, last: bool) -> None:
+        """The scheduler's word that a row's pieces passed `positions`; on the last, its group is planted."""
+        if not last:
+            return
+        live = self.live.get(rid)
+        if live is None or live.K is None:
+            return
+        snaps = sorted((s for s in live.snaps if s[0] <= live.p), key=lambda s: s[0])
+        if not snaps or snaps[-1][0] != live.p:
+            return
+        try:
+            self.cache._plant(live.row["ids"], live.p, [(pos, conv, S, None) for pos, conv, S in snaps], 0,
+                              (live.K, live.V))
+        except Exception:  # noqa: BLE001 - the answers stand; only the planting is lost
+            log.exception("planting a step's checkpoints failed")
+        live.snaps = []
+
+    def _end(self, rid: int, live: _Live) -> None:
+        if live.pinned is not None:
+            self.cache.index.unpin(live.pinned)
+            live.pinned = None
+        live.K = live.V = live.conv = live.S = None
+
+    def _fail(self, rid: int, error: RowFailed) -> tuple[object, RowFailed]:
+        self.sched.drop(rid)
+        live = self.live.pop(rid)
+        self._end(rid, live)
+        self.stats["failed"] += 1
+        error.row = live.row
+        return live.key, error
+
+    def clear(self) -> list[tuple[object, RowFailed]]:
+        """Give up every row in the schedule (each comes back with a `retry` failure)."""
+        return [self._fail(rid, RowFailed("retry", "the schedule was cleared")) for rid in list(self.live)]

@@ -1,0 +1,158 @@
+"""The step loop (statecache.step over statecache.sched) through the real engine on the built-in tiny model (CPU,
+float32): rows submitted in waves while steps run, under random token budgets, chunk sizes and cache budgets, every
+answer equal to the plain forward of its row within 1e-4, the cache's bytes within budget; device memory running out
+at random forwards changes no answer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from statecache.cache import CacheSettings
+from statecache.engine import Engine
+from statecache.memo import Memo
+from tests.cache_util import index_bytes_recount, one_thread
+from tests.test_engine import check
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    with one_thread():
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def engine(step_tokens: int, step_chunk: int, mb: int) -> Engine:
+    return Engine(device="cpu", dtype="float32", max_pos=2048, step_tokens=step_tokens, step_chunk=step_chunk,
+                  settings=CacheSettings(min_prefix=64, stride=192, mb=mb, host_mb=0 if mb == 1 else None))
+
+
+def fresh(step_tokens: int, step_chunk: int, mb: int) -> Engine:
+    eng = engine(step_tokens, step_chunk, mb)
+    assert eng.steps is not None and not eng.pending()
+    eng.cache.clear()
+    eng.memo = Memo(4096)
+    return eng
+
+
+def toks(n: int, rng) -> list[int]:
+    return rng.integers(0, 500, size=n).tolist()
+
+
+ops = st.fixed_dictionaries({
+    "op": st.sampled_from(["new", "same", "same", "grow", "middle", "short"]),
+    "of": st.integers(0, 50),
+    "new_len": st.integers(64, 900),
+    "append": st.integers(1, 300),
+    "where": st.floats(0, 1, exclude_max=True),
+    "qlen": st.integers(1, 40),
+    "slots": st.integers(1, 3),
+})
+
+
+def make_rows(wave, states, rng, note=event) -> list[dict]:
+    rows = []
+    for op in wave:
+        kind = op["op"] if states else "new"
+        base = states[op["of"] % len(states)] if states else []
+        if kind == "new":
+            s = toks(op["new_len"], rng)
+        elif kind == "same":
+            s = list(base)
+        elif kind == "grow":
+            s = base + toks(op["append"], rng)
+        elif kind == "middle":
+            s = list(base)
+            s[int(op["where"] * len(s))] = (s[int(op["where"] * len(s))] + 1) % 500
+        else:  # a state too short for the cache: computed from 0 through the step, nothing planted
+            s = toks(30, rng)
+        states.append(s)
+        ids = s + toks(op["qlen"], rng)
+        n, k = len(ids), min(op["slots"], op["qlen"])
+        slots = list(range(n - k, n))
+        rows.append({"ids": ids, "state_len": len(s), "slots": slots, "nopts": [2 + j for j in range(k)]})
+        note(kind)
+    return rows
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(seed=st.integers(0, 2**31 - 1), step_tokens=st.sampled_from([128, 320, 2048]),
+       step_chunk=st.sampled_from([64, 192, 512]), mb=st.sampled_from([1, 64]),
+       waves=st.lists(st.tuples(st.lists(ops, min_size=1, max_size=5), st.integers(0, 3)), min_size=1, max_size=4))
+def test_waves_of_rows_between_steps_answer_as_the_plain_forward(seed, step_tokens, step_chunk, mb, waves):
+    """Each wave is submitted, then that many steps run before the next wave comes (0: it joins at once); the last
+    wave's rows are stepped to their end. Every row is answered once, as the plain forward answers it."""
+    eng = fresh(step_tokens, step_chunk, mb)
+    rng = np.random.default_rng(seed)
+    states: list[list[int]] = []
+    rows, got = [], {}
+    for wave, steps in waves:
+        batch = make_rows(wave, states, rng)
+        tags = list(range(len(rows), len(rows) + len(batch)))
+        rows += batch
+        for tag, res in eng.submit(batch, tags):
+            assert tag not in got
+            got[tag] = res
+        for _ in range(steps):
+            for tag, res in eng.step():
+                assert tag not in got
+                got[tag] = res
+            assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
+    while eng.pending():
+        for tag, res in eng.step():
+            assert tag not in got
+            got[tag] = res
+    assert sorted(got) == list(range(len(rows)))
+    res = [got[i] for i in range(len(rows))]
+    assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
+    check(eng, rows, res)
+    for r in res:
+        event(r["path"])
+    assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
+    assert eng.cache.index.bytes == index_bytes_recount(eng.cache)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_device_memory_running_out_at_random_forwards_changes_no_answer(seed):
+    """A fault hook raises torch.OutOfMemoryError at a third of the step forwards while rows arrive in waves: the
+    cache gives up half its device tier and the forward runs again (in halves once there is nothing to free), and
+    every row is answered as the plain forward answers it."""
+    eng = fresh(320, 192, 64)
+    rng = np.random.default_rng(seed)
+    real, faults, last = eng.cache.batch.forward, [0], [False]
+    coin = np.random.default_rng(100 + seed)
+
+    def sometimes_out(pieces):  # a third of the forwards, never twice in a row (freeing memory makes room)
+        if not last[0] and coin.random() < 1 / 3:
+            faults[0] += 1
+            last[0] = True
+            raise torch.OutOfMemoryError("CUDA out of memory (fault hook)")
+        last[0] = False
+        return real(pieces)
+
+    eng.cache.batch.forward = sometimes_out
+    try:
+        states: list[list[int]] = []
+        rows, got = [], {}
+        for w in range(6):
+            wave = [{"op": o, "of": int(rng.integers(0, 50)), "new_len": int(rng.integers(64, 700)),
+                     "append": int(rng.integers(1, 200)), "where": float(rng.random()), "qlen": int(rng.integers(2, 20)),
+                     "slots": int(rng.integers(1, 3))} for o in rng.choice(["new", "same", "grow", "middle"], 4)]
+            batch = make_rows(wave, states, rng, note=lambda kind: None)
+            got.update(eng.submit(batch, list(range(len(rows), len(rows) + len(batch)))))
+            rows += batch
+            got.update(eng.step())
+        while eng.pending():
+            got.update(eng.step())
+    finally:
+        eng.cache.batch.forward = real
+    res = [got[i] for i in range(len(rows))]
+    assert faults[0] > 0 and eng.steps.stats["oom_failed"] == 0
+    assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
+    check(eng, rows, res)
