@@ -165,6 +165,8 @@ class Engine:
             self.steps = Steps(self.cache, self.cache.batch, self.cold_ok, budget_tokens=step_tokens,
                                chunk_tokens=step_chunk)
         self._flight: dict = {}  # memo key of a scheduled row -> the tags waiting for it (the first is its own)
+        if self.cache.host is not None:  # start-up's captures are done: the host tier pins its slabs meanwhile
+            self.cache.host.grow_in_background()
 
     def _warm_packed(self) -> float:
         """Run the packed forward (eager: nothing to capture) on dummy rows of a few lengths, planting and not, so
@@ -714,7 +716,8 @@ class Engine:
                 "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
                 "budget": dataclasses.asdict(self.budget), **self._device_memory(),
                 "phases": {k: round(v, 3) if k.endswith("_s") else v for k, v in self.phases.items()},
-                **({"steps": {**self.steps.stats, "scheduler": dict(self.steps.sched.stats)}} if self.steps else {}),
+                **({"steps": {**self.steps.stats, "seconds": {k: round(v, 3) for k, v in self.steps.seconds.items()},
+                              "scheduler": dict(self.steps.sched.stats)}} if self.steps else {}),
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
 
     def _device_memory(self) -> dict:

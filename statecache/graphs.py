@@ -43,7 +43,9 @@ def capture(fn, pool, warmup: int = 2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+    # thread_local: the host tier's grower (statecache.tiers) may pin memory on its own thread meanwhile, which the
+    # default ("global") mode would count against this capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), torch.no_grad():
         out = fn()
     return graph, out
 

@@ -23,6 +23,7 @@ Text rows of the trunk only: the engine keeps image rows and specialists on its 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -131,6 +132,9 @@ class Steps:
         self._planting: dict[int, list] = {}  # rid -> positions planted so far (deferred to the last one)
         self.stats = {"steps": 0, "forwards": 0, "pieces": 0, "tokens": 0, "oom_relieved": 0, "oom_failed": 0,
                       "failed": 0}
+        # where a step's wall time went (seconds, cumulative): planning, bringing restores to the device, the
+        # forwards (the answers' read included: it waits for the device), keeping states, planting, evicting
+        self.seconds = dict.fromkeys(("plan", "restore", "forward", "keep", "plant", "evict"), 0.0)
 
     # ---- which rows ----------------------------------------------------------------------------------------------
 
@@ -180,16 +184,23 @@ class Steps:
     @torch.no_grad()
     def step(self) -> list[tuple[object, Answer | RowFailed]]:
         """Plan and run one step -> (key, Answer or RowFailed) for each row it finished or failed."""
+        sec, t0 = self.seconds, time.perf_counter()
         step = self.sched.plan()
+        t1 = time.perf_counter()
+        sec["plan"] += t1 - t0
         if not step.pieces:
             return []
         out: list = []
         items = self._restore(step, out)
+        t2 = time.perf_counter()
+        sec["restore"] += t2 - t1
         self.stats["steps"] += 1
         self.stats["pieces"] += len(items)
         self.stats["tokens"] += step.tokens
         for failed, error in self._run(items):
             out.append(self._fail(failed, error))
+        t3 = time.perf_counter()
+        sec["forward"] += t3 - t2
         for fin in self.sched.done(step):
             live = self.live.pop(fin.row.rid)
             self._end(fin.row.rid, live)
@@ -201,7 +212,9 @@ class Steps:
                 st["tokens_reused"] += fin.reused
                 st["tokens_computed"] += fin.computed
             out.append((live.key, Answer(live.probs, fin.path, fin.reused, fin.computed)))
+        t4 = time.perf_counter()
         self.cache.stats["evicted"] += len(self.cache.index.evict())
+        sec["evict"] += time.perf_counter() - t4
         return out
 
     def _restore(self, step, out: list) -> list:
@@ -337,7 +350,7 @@ class Steps:
 
     def _keep(self, items: list, probs) -> None:
         """After a forward: each piece's chunk K/V into its row's buffer, its end state and snapshots kept, answers."""
-        r = self.runner
+        r, t0 = self.runner, time.perf_counter()
         pieces = [it[0] for it in items]
         for b, (bp, pc, live) in enumerate(items):
             s, e = pc.start, pc.end
@@ -355,6 +368,7 @@ class Steps:
                 live.conv, live.S = r.st.conv[:, b].clone(), r.st.S[:, b].clone()
                 if e in pc.plants:
                     live.snaps.append((e, live.conv, live.S))
+        self.seconds["keep"] += time.perf_counter() - t0
 
     # ---- planting and ends ---------------------------------------------------------------------------------------
 
@@ -368,12 +382,14 @@ class Steps:
         snaps = sorted((s for s in live.snaps if s[0] <= live.p), key=lambda s: s[0])
         if not snaps or snaps[-1][0] != live.p:
             return
+        t0 = time.perf_counter()
         try:
             self.cache._plant(live.row["ids"], live.p, [(pos, conv, S, None) for pos, conv, S in snaps], 0,
                               (live.K, live.V))
         except Exception:  # noqa: BLE001 - the answers stand; only the planting is lost
             log.exception("planting a step's checkpoints failed")
         live.snaps = []
+        self.seconds["plant"] += time.perf_counter() - t0
 
     def _end(self, rid: int, live: _Live) -> None:
         if live.pinned is not None:

@@ -7,6 +7,8 @@ forward (tests/cache_util.reference) and the same row from a device-tier checkpo
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -151,6 +153,33 @@ def test_host_pool_grows_by_slabs_within_its_bound_and_keeps_runs_inside_a_slab(
     back = pool.up(two)
     assert torch.equal(back[0], torch.zeros(256)) and torch.equal(back[1], torch.ones(256))
     assert pool.free_bytes == 3 * 1024
+
+
+def test_host_pool_grown_in_the_background_serves_only_what_it_added(monkeypatch):
+    import statecache.tiers as tiers
+
+    gate = threading.Event()
+    added = []
+    real = HostPool._add_slab
+
+    def slow_add(self, size):  # the grower's slab waits for the gate: pinning is slow on CUDA
+        gate.wait(10)
+        real(self, size)
+        added.append(size)
+
+    monkeypatch.setattr(tiers, "GROW_BYTES", 1024)
+    monkeypatch.setattr(HostPool, "_add_slab", slow_add)
+    pool = HostPool(4 * 1024, "cpu", slab_bytes=1024)
+    pool.grow_in_background()
+    x = (torch.arange(64, dtype=torch.float32),)
+    assert pool.down(x) is None and pool.allocated == 0  # nothing pinned yet: the serving thread does not pin
+    gate.set()
+    pool._grower.join(10)
+    assert added == [1024] * 4 and pool.allocated == 4 * 1024 and pool.info()["slabs"] == 4
+    hp = pool.down(x)
+    assert hp is not None and torch.equal(pool.up(hp)[0], x[0]) and pool.free_bytes == 4 * 1024
+    pool.grow_in_background()  # whole: no second thread
+    assert not pool._grower.is_alive()
 
 
 def test_host_budget_from_the_setting_or_host_memory():
