@@ -165,8 +165,8 @@ class Engine:
             self.steps = Steps(self.cache, self.cache.batch, self.cold_ok, budget_tokens=step_tokens,
                                chunk_tokens=step_chunk)
         self._flight: dict = {}  # memo key of a scheduled row -> the tags waiting for it (the first is its own)
-        if self.cache.host is not None:  # start-up's captures are done: the host tier pins its slabs meanwhile
-            self.cache.host.grow_in_background()
+        if self.cache.host is not None:  # start-up's captures are done: the host tier prepares its slabs meanwhile
+            self.cache.host.start()
 
     def _warm_packed(self) -> float:
         """Run the packed forward (eager: nothing to capture) on dummy rows of a few lengths, planting and not, so

@@ -304,6 +304,8 @@ class Steps:
             r.ensure_pieces(pieces)
             r.load(pieces)
             out = r.forward(pieces)
+            if self.cache.host is not None:  # the forward is launched: the host tier's slab is registered meanwhile
+                self.cache.host.grow_while_device_runs()
             probs = r.read(out).numpy() if any(pc.answer for _, pc, _ in items) else None
             self.stats["forwards"] += 1
             self._keep(items, probs)

@@ -8,11 +8,15 @@ payload (a tuple of tensors and plain values, as statecache.cache makes them) in
 of up to `nbytes` in all, never given back and never allocated per eviction.
 
 Where the slabs come from: on the CPU (the tests' form of the tier) `down` grows the pool by a `SLAB_BYTES` slab when
-no free run fits (plain host memory is quick to get). On CUDA the slabs are pinned, and pinning is slow (an H100
-host took ~0.65 s a GiB: 35 slabs cost 23 s of a 30 s run when the serving thread pinned them as the tier filled);
-so `grow_in_background()` (the engine calls it once its start-up captures are done; else the first `down` that
-needs room does) pins `GROW_BYTES` slabs on a thread of its own until the pool is whole, and `down` only uses what
-has been pinned so far. Every copy runs on the
+no free run fits (plain host memory is quick to get). On CUDA the slabs are pinned, and pinning is slow and holds the
+driver: an H100 host took ~0.65 s a GiB, so 35 slabs pinned by the serving thread as the tier filled cost 23 s of a
+30 s run, and a thread of its own pinning the whole pool (`cudaHostAlloc`) kept the serving thread's launches
+waiting for the ~40 s it took. So the work is split (`start()`, which the engine calls once start-up is done): a
+thread of the pool's own gets each slab's pages (anonymous memory, faulted in: the part that needs no driver), and
+the serving thread registers one such slab with the driver (`cudaHostRegister`) each time it has launched a forward
+and would otherwise wait for it (`grow_while_device_runs`), or when a copy down finds no room. `down` uses only
+registered slabs.
+Every copy runs on the
 pool's own stream: a copy down waits for the work that wrote the payload, and the device tensors it reads are kept
 from reuse until it ends (`record_stream`); a copy up is waited for by the current stream before anything reads it,
 so nothing blocks the host. Slices are reused only by later copies on that same stream, so a slice freed while its
@@ -25,17 +29,31 @@ decides what moves).
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
+import mmap
+import queue
 import threading
 import time
 
 import torch
 
 SLICE_ALIGN = 256  # every slice starts at a multiple of this (any dtype's view is aligned)
-SLAB_BYTES = 1 << 30  # the pool grows by slabs of this size (a 9B-shaped 4k state is ~275 MB in a few tensors)
-GROW_BYTES = 1 << 28  # the background grower's slabs: short enough that a pin holds the driver ~0.2 s at a time
+SLAB_BYTES = 1 << 28  # the pool grows by slabs of at least this size (a 9B-shaped 4k state is ~275 MB in a few
+# tensors, none over 64 MiB; a larger tensor gets a slab of its own size)
+READY_AHEAD = 4  # slabs the faulting thread keeps ready for registering, ahead of the serving thread
 
 log = logging.getLogger("statecache.tiers")
+
+
+def _aligned(n: int) -> int:
+    return max(SLICE_ALIGN, -(-int(n) // SLICE_ALIGN) * SLICE_ALIGN)
+
+
+def _touch(t: torch.Tensor) -> None:
+    """Fault in every page of `t` on this thread alone (a memset: torch's zero_ would take the intra-op pool, which
+    the serving thread's host work uses)."""
+    ctypes.memset(t.data_ptr(), 0, t.numel())
 
 
 class HostPayload:
@@ -48,52 +66,109 @@ class HostPayload:
 
 
 class HostPool:
-    def __init__(self, nbytes: int, device, slab_bytes: int = SLAB_BYTES):
+    def __init__(self, nbytes: int, device, slab_bytes: int = SLAB_BYTES, background: bool | None = None):
+        """`background`: slabs prepared by a thread of their own and admitted by the serving thread (see the module's
+        docstring); default on CUDA only (the CPU grows synchronously, which its tests rely on)."""
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.background = self.cuda if background is None else bool(background)
         self.nbytes = int(nbytes)
-        self.slab_bytes = max(SLICE_ALIGN, -(-int(slab_bytes) // SLICE_ALIGN) * SLICE_ALIGN)
+        self.slab_bytes = _aligned(slab_bytes)
         # the slabs side by side in one address space: slab k covers [bases[k], bases[k] + len(slabs[k]))
         self.slabs: list[torch.Tensor] = []
         self.bases: list[int] = []
-        self.allocated = 0  # bytes of slabs allocated so far (at most nbytes)
+        self.allocated = 0  # bytes of slabs admitted so far (at most nbytes)
         self._free: list[tuple[int, int]] = []  # (offset, size), by offset, never across a slab's end
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._timed: list = []  # CUDA: (start, end) events of copies up not yet read
-        self._lock = threading.Lock()  # the slabs and free runs: the grower adds while the serving thread allocates
-        self._grower: threading.Thread | None = None
+        self._lock = threading.Lock()  # the slabs and free runs (the serving thread's; `free_bytes` may be read
+        # from another)
+        self._ready: queue.Queue = queue.Queue(READY_AHEAD)  # prepared slabs (mmap, tensor), in order
+        self._prepared = 0  # bytes handed to `_ready` or admitted
+        self._want = self.slab_bytes  # the size the next prepared slab must have at least (largest tensor asked for)
+        self._preparer: threading.Thread | None = None
+        self._maps: list = []  # the mmaps behind the slabs (kept alive with them)
         self.stats = {"copies_down": 0, "bytes_down": 0, "copies_up": 0, "bytes_up": 0, "up_ms": 0.0,
-                      "no_room": 0, "slabs": 0, "slab_ms": 0.0}
+                      "no_room": 0, "slabs": 0, "slab_ms": 0.0, "prepare_ms": 0.0}
 
-    def grow_in_background(self) -> None:
-        """Allocate (pin, on CUDA) the rest of the pool on a thread of its own, GROW_BYTES at a time; from now on
-        `down` takes only what the thread has added (no-op when already growing or whole)."""
-        if self._grower is not None or self.allocated >= self.nbytes:
+    # ---- growth ---------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin preparing slabs on a thread of the pool's own (background pools; no-op otherwise or when running)."""
+        if not self.background or self._preparer is not None or self.nbytes < SLICE_ALIGN:
             return
-        self._grower = threading.Thread(target=self._grow_all, name="statecache-host-pool", daemon=True)
-        self._grower.start()
+        self._preparer = threading.Thread(target=self._prepare_all, name="statecache-host-pool", daemon=True)
+        self._preparer.start()
 
-    def _grow_all(self) -> None:
+    def _prepare_all(self) -> None:
         t0 = time.perf_counter()
         try:
-            while self.allocated < self.nbytes:
-                size = min(GROW_BYTES, self.nbytes - self.allocated)
+            while self._prepared < self.nbytes:
+                size = min(max(self.slab_bytes, self._want), self.nbytes - self._prepared)
                 if size < SLICE_ALIGN:
                     break
-                self._add_slab(size)
+                t1 = time.perf_counter()
+                slab = self._new_slab(size, fault=True)
+                self.stats["prepare_ms"] += 1e3 * (time.perf_counter() - t1)
+                self._prepared += size
+                self._ready.put(slab)  # waits while READY_AHEAD slabs wait for the serving thread
         except Exception as e:  # noqa: BLE001 - the tier keeps what it has
-            log.warning("pinning the host tier stopped at %.1f GiB: %s: %s", self.allocated / 2**30, type(e).__name__, e)
-            self.nbytes = self.allocated
-        log.info("host tier: %.1f GiB pinned in %.1f s", self.allocated / 2**30, time.perf_counter() - t0)
+            log.warning("the host tier stopped growing at %.1f GiB: %s: %s", self._prepared / 2**30, type(e).__name__, e)
+        finally:
+            self._ready.put(None)  # the end: nothing more comes
+        log.info("host tier: %.1f GiB of pages prepared in %.1f s", self._prepared / 2**30, time.perf_counter() - t0)
 
-    def _add_slab(self, size: int) -> None:
+    def _new_slab(self, size: int, fault: bool) -> tuple:
+        """(mmap or None, uint8 tensor of `size` bytes). Background slabs are anonymous mappings (page-aligned, huge
+        pages asked for) whose pages are touched here, so that registering them later only pins what exists."""
+        if not fault:
+            return None, torch.empty(size, dtype=torch.uint8)
+        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: huge pages may back it
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        t = torch.frombuffer(m, dtype=torch.uint8)
+        _touch(t)
+        return m, t
+
+    def grow_while_device_runs(self) -> bool:
+        """Admit one prepared slab, if one is ready and the pool is not whole: the serving thread calls this after it
+        has launched a forward and before it waits for it (the driver's time to register the slab is then time the
+        thread would have waited anyway). True when a slab was admitted."""
+        if not self.background or self.allocated >= self.nbytes:
+            return False
+        try:
+            slab = self._ready.get_nowait()
+        except queue.Empty:
+            return False
+        if slab is None:  # the preparer ended: the pool is as whole as it gets
+            self.nbytes = self.allocated
+            return False
+        try:
+            self._admit(*slab)
+        except Exception as e:  # noqa: BLE001 - the tier keeps what it has; the forward it sits beside goes on
+            log.warning("the host tier stopped growing at %.1f GiB: %s: %s", self.allocated / 2**30, type(e).__name__, e)
+            self.nbytes = self.allocated
+            return False
+        return True
+
+    def _admit(self, m, slab: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        slab = torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)  # the slow part, outside the lock
+        size = slab.numel()
+        if self.cuda and m is not None:
+            err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), size, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
+        elif self.cuda:
+            slab = slab.pin_memory()
         with self._lock:
             self.stats["slab_ms"] += 1e3 * (time.perf_counter() - t0)
             self.stats["slabs"] += 1
             base = self.allocated
             self.slabs.append(slab)
+            self._maps.append(m)
             self.bases.append(base)
             self.allocated += size
             self._free.append((base, size))  # after every other run: bases only grow
@@ -111,16 +186,18 @@ class HostPool:
         return None
 
     def _grow(self, n: int) -> bool:
-        """A new slab that holds at least `n` bytes, within nbytes; False when the pool may not grow that far here.
-        On CUDA only the background grower pins (a slab pinned here would stall the serving thread): the first call
-        starts it where nobody has."""
+        """Room for at least `n` bytes more, within nbytes; False when the pool may not grow that far now. A
+        background pool admits a slab its thread has prepared (never waiting for one); the others allocate one."""
+        if self.background:
+            self._want = max(self._want, n)
+            while self.grow_while_device_runs():
+                if self.slabs[-1].numel() >= n:
+                    return True
+            return False
         size = min(max(self.slab_bytes, n), self.nbytes - self.allocated)
-        if size < n or self._grower is not None:
+        if size < n:
             return False
-        if self.cuda:
-            self.grow_in_background()
-            return False
-        self._add_slab(size)
+        self._admit(*self._new_slab(size, fault=False))
         return True
 
     def _alloc(self, n: int) -> int | None:
@@ -237,5 +314,6 @@ class HostPool:
                     left.append((start, end))
             self._timed = left
         return {**self.stats, "up_ms": round(self.stats["up_ms"], 3),
-                "slab_ms": round(self.stats["slab_ms"], 3), "pool_bytes": self.nbytes,
+                "slab_ms": round(self.stats["slab_ms"], 3), "prepare_ms": round(self.stats["prepare_ms"], 3),
+                "pool_bytes": self.nbytes,
                 "pool_allocated_bytes": self.allocated, "pool_free_bytes": self.free_bytes}

@@ -8,6 +8,7 @@ forward (tests/cache_util.reference) and the same row from a device-tier checkpo
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -155,31 +156,55 @@ def test_host_pool_grows_by_slabs_within_its_bound_and_keeps_runs_inside_a_slab(
     assert pool.free_bytes == 3 * 1024
 
 
-def test_host_pool_grown_in_the_background_serves_only_what_it_added(monkeypatch):
-    import statecache.tiers as tiers
-
+def test_host_pool_grown_in_the_background_serves_only_what_the_serving_thread_admitted(monkeypatch):
     gate = threading.Event()
-    added = []
-    real = HostPool._add_slab
+    real = HostPool._new_slab
+    prepared = []
 
-    def slow_add(self, size):  # the grower's slab waits for the gate: pinning is slow on CUDA
+    def slow_slab(self, size, fault):  # the preparing thread's slab waits for the gate (faulting pages is slow)
+        assert threading.current_thread().name == "statecache-host-pool" and fault
         gate.wait(10)
-        real(self, size)
-        added.append(size)
+        prepared.append(size)
+        return real(self, size, fault)
 
-    monkeypatch.setattr(tiers, "GROW_BYTES", 1024)
-    monkeypatch.setattr(HostPool, "_add_slab", slow_add)
-    pool = HostPool(4 * 1024, "cpu", slab_bytes=1024)
-    pool.grow_in_background()
+    monkeypatch.setattr(HostPool, "_new_slab", slow_slab)
+    pool = HostPool(4 * 1024, "cpu", slab_bytes=1024, background=True)
     x = (torch.arange(64, dtype=torch.float32),)
-    assert pool.down(x) is None and pool.allocated == 0  # nothing pinned yet: the serving thread does not pin
+    assert pool.down(x) is None and pool.allocated == 0  # nothing prepared: the serving thread never waits for it
+    pool.start()
+    assert pool.down(x) is None and pool.allocated == 0
     gate.set()
-    pool._grower.join(10)
-    assert added == [1024] * 4 and pool.allocated == 4 * 1024 and pool.info()["slabs"] == 4
+    for _ in range(1000):  # the preparer fills its queue of ready slabs
+        if len(prepared) == 4:
+            break
+        time.sleep(0.01)
+    assert prepared == [1024] * 4 and pool.allocated == 0  # prepared is not admitted
+    assert pool.grow_while_device_runs() and pool.allocated == 1024  # one slab per launched forward
     hp = pool.down(x)
-    assert hp is not None and torch.equal(pool.up(hp)[0], x[0]) and pool.free_bytes == 4 * 1024
-    pool.grow_in_background()  # whole: no second thread
-    assert not pool._grower.is_alive()
+    assert hp is not None and torch.equal(pool.up(hp)[0], x[0])
+    big = pool.down((torch.zeros(512, dtype=torch.float32),))  # 2048 bytes: no prepared slab is that long
+    assert big is None and pool._want == 2048
+    while pool.grow_while_device_runs():
+        pass
+    assert pool.allocated == 4 * 1024 and pool.info()["slabs"] == 4 and pool.free_bytes == 4 * 1024
+    assert not pool.grow_while_device_runs()  # whole
+    pool._preparer.join(10)
+    assert not pool._preparer.is_alive()
+    pool.start()  # it ran: no second thread
+    assert not pool._preparer.is_alive()
+
+
+def test_host_pool_prepares_slabs_at_the_size_a_tensor_asked_for():
+    pool = HostPool(8 * 1024, "cpu", slab_bytes=1024, background=True)
+    assert pool.down((torch.zeros(768, dtype=torch.float32),)) is None and pool._want == 3072  # before any slab
+    pool.start()
+    pool._preparer.join(10)  # 3072 + 3072 + 2048: each slab at least the largest tensor asked for, within nbytes
+    sizes = []
+    while pool.grow_while_device_runs():
+        sizes.append(pool.slabs[-1].numel())
+    assert sizes == [3072, 3072, 2048]
+    hp = pool.down((torch.ones(768, dtype=torch.float32),))
+    assert hp is not None and torch.equal(pool.up(hp)[0], torch.ones(768))
 
 
 def test_host_budget_from_the_setting_or_host_memory():
