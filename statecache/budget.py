@@ -3,7 +3,8 @@
 Pure arithmetic over a `TextConfig` and figures handed in (no torch calls here; `device_free_bytes` is the one
 place that asks torch). The engine calls `cache_budget` after the weights, the static buffers and the captured
 graphs are on the device, with the workspace of the largest forward it may still run (`forward_workspace_bytes`)
-kept free: the cache gets `fraction` of what is left. The host tier's bound (`host_budget`) is the setting, else
+kept free: the cache gets `fraction` of what is left; `rebudget` re-checks that figure while serving, and
+`check_fits` is how a worker that cannot fit its weights or its workspace refuses to start. The host tier's bound (`host_budget`) is the setting, else
 `HOST_FRACTION` of the host's available memory (`host_available_bytes`, /proc/meminfo's MemAvailable), at most
 `HOST_DEFAULT_MAX_MB` (on CUDA the tier is pinned, slab by slab as it fills: statecache.tiers). Knows nothing of the cache's LRU or of
 which rows come.
@@ -105,6 +106,28 @@ def device_free_bytes(device) -> int | None:
         return None
     free, _total = torch.cuda.mem_get_info(device)
     return int(free)
+
+
+def rebudget(start: Budget, free_bytes: int, own_growth_bytes: int) -> int:
+    """The cache's bound in MiB, re-checked while serving (statecache.engine calls this every few seconds on CUDA):
+    the start-up formula over the memory another process has not taken, i.e. what the driver says is free now plus
+    what this process has reserved since start-up (its own cache and forwards are not another's). Another worker
+    taking memory shrinks it; memory given back grows it. Two workers sharing a device settle near an even split."""
+    if start.free_mb is None or start.fraction is None:
+        return start.mb
+    usable = max(0, int(free_bytes) + int(own_growth_bytes) - int((start.workspace_mb or 0) * MIB))
+    return int(start.fraction * usable) // MIB
+
+
+class DeviceTooSmall(RuntimeError):
+    """The device cannot hold what a worker needs before any state is cached: the message names both figures."""
+
+
+def check_fits(what: str, need_bytes: int, free_bytes: int | None, hint: str) -> None:
+    """Raise DeviceTooSmall when `need_bytes` of `what` do not fit `free_bytes` (None: not measured, passes)."""
+    if free_bytes is not None and need_bytes > free_bytes:
+        raise DeviceTooSmall(f"{what} needs {need_bytes / MIB:.0f} MiB of device memory and {free_bytes / MIB:.0f} MiB "
+                             f"is free: {hint}")
 
 
 @dataclass(frozen=True)

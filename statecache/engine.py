@@ -33,7 +33,8 @@ from collections import OrderedDict
 
 import torch
 
-from .budget import DEFAULT_FRACTION, Budget, cache_budget, device_free_bytes, forward_workspace_bytes
+from .budget import (DEFAULT_FRACTION, Budget, DeviceTooSmall, cache_budget, check_fits, device_free_bytes,
+                     forward_workspace_bytes, rebudget)
 from .cache import CacheSettings, StateCache
 from .compile_cache import use_persistent_caches
 from .kernels import kernels_for
@@ -63,6 +64,9 @@ def load_tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+MEMORY_CHECK_S = 2.0  # how often a step re-checks the device's free memory (statecache.budget.rebudget)
 
 
 class Engine:
@@ -99,7 +103,13 @@ class Engine:
         # specialists (a folder, statecache.specialists.folder): checked in full before the model's weights load
         self.specialists = None if specialists is None else load_specialists(
             specialists, load_config(self.model_dir), self.device, self.dtype)
-        weights = load_weights(self.model_dir, self.letter_ids, self.device, self.dtype)
+        try:
+            weights = load_weights(self.model_dir, self.letter_ids, self.device, self.dtype)
+        except torch.OutOfMemoryError as e:
+            free = device_free_bytes(self.device)
+            raise DeviceTooSmall(f"the weights of {self.model_dir} in {dtype} did not fit {self.device} "
+                                 f"({(free or 0) / 2**20:.0f} MiB free after the attempt): give the worker a device "
+                                 f"nothing else holds, or a larger one ({str(e).splitlines()[0][:300]})") from None
         self.load_s = time.perf_counter() - t0
         self.loaded_at = time.time()  # wall clock: start-up is measured from here (bench/load_bench.py)
         self.model = Qwen35(weights)
@@ -149,7 +159,11 @@ class Engine:
             from .vision import Embeddings, VisionTower
 
             self.embeddings = Embeddings(self.images, VisionTower.from_checkpoint(self.model_dir, self.device, self.dtype))
+        self._reserved0: int | None = None  # set by _size_cache where the budget comes from the device
         self.budget = self._size_cache(settings, auto_budget, cache_fraction, max(plain_tokens, max_row_tokens))
+        self.budget_at_start = self.budget
+        self.memory = {"rechecks": 0, "shrunk": 0, "grown": 0}  # the budget re-checked while serving
+        self._recheck_at = 0.0
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
@@ -209,6 +223,9 @@ class Engine:
             free = device_free_bytes(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
             workspace = max(forward_workspace_bytes(cfg, largest, nbytes), peak)
+            check_fits(f"the largest forward ({largest} tokens)", workspace, free, "give the worker a device nothing "
+                       "else holds, or lower STATECACHE_MAX_ROW_TOKENS")
+            self._reserved0 = torch.cuda.memory_reserved(self.device)  # what rebudget counts this process's own from
         budget = cache_budget(cfg, nbytes, setting_mb=None if auto else settings.mb, free_bytes=free,
                               workspace_bytes=workspace or 0, fraction=DEFAULT_FRACTION if fraction is None else fraction,
                               stride=settings.stride, tail=settings.tail, align=settings.align)
@@ -313,6 +330,9 @@ class Engine:
         if self.steps is None or not self.steps.pending():
             return []
         t0, c0 = time.perf_counter(), time.thread_time()
+        if self._reserved0 is not None and t0 >= self._recheck_at:
+            self._recheck_at = t0 + MEMORY_CHECK_S
+            self.recheck_memory()
         declined = self.steps.sched.stats["declined"]
         done = self.steps.step()
         self.counts["declined"] += self.steps.sched.stats["declined"] - declined
@@ -714,11 +734,39 @@ class Engine:
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
                 "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
-                "budget": dataclasses.asdict(self.budget), **self._device_memory(),
+                "budget": dataclasses.asdict(self.budget), "budget_rechecks": dict(self.memory), **self._device_memory(),
                 "phases": {k: round(v, 3) if k.endswith("_s") else v for k, v in self.phases.items()},
                 **({"steps": {**self.steps.stats, "seconds": {k: round(v, 3) for k, v in self.steps.seconds.items()},
                               "scheduler": dict(self.steps.sched.stats)}} if self.steps else {}),
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
+
+    def recheck_memory(self) -> int:
+        """Re-size the cache's budget from the device's free memory now (statecache.budget.rebudget; CUDA, budget
+        sized from the device): another process taking memory shrinks it, and what it no longer holds leaves the
+        device (to the host tier where there is one) and goes back to the driver; memory given back grows it.
+        Returns the budget in MiB."""
+        if self._reserved0 is None:
+            return self.budget.mb
+        free = device_free_bytes(self.device)
+        mb = rebudget(self.budget_at_start, free, torch.cuda.memory_reserved(self.device) - self._reserved0)
+        now = self.budget.mb
+        self.memory["rechecks"] += 1
+        if abs(mb - now) <= now // 50:  # within 2%: not worth a change
+            return now
+        index = self.cache.index
+        index.budget_bytes = mb * 2**20
+        self.cache.s.mb = mb
+        self.budget = dataclasses.replace(self.budget, mb=mb, states_4k=self.budget_at_start.states_4k * mb
+                                          / max(1, self.budget_at_start.mb), free_mb=free / 2**20, source="device, re-checked")
+        if mb < now:
+            self.memory["shrunk"] += 1
+            self.cache.stats["evicted"] += len(index.evict())
+            torch.cuda.empty_cache()  # what the cache let go of goes back to the driver, for the other process
+        else:
+            self.memory["grown"] += 1
+        log.warning("device memory free now %.0f MiB: the state cache's budget goes from %d to %d MiB", free / 2**20,
+                    now, mb)
+        return mb
 
     def _device_memory(self) -> dict:
         if self.device.type != "cuda":

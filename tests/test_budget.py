@@ -4,6 +4,7 @@ really lets go of the cache's tensors."""
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,3 +94,68 @@ def test_engine_sizes_the_cache_from_the_device():
     assert eng.cache.index.budget_bytes == b.mb * 2**20
     mem = eng.stats()["device_memory_mb"]
     assert mem["total"] > mem["free"] > 0
+
+
+def test_rebudget_follows_what_other_processes_take_and_give_back():
+    cfg = cfg9b()
+    work = 8 * GIB
+    start = B.cache_budget(cfg, 2, free_bytes=100 * GIB, workspace_bytes=work, fraction=0.9)
+    assert B.rebudget(start, 100 * GIB, 0) == start.mb  # nothing changed
+    # this process filled 60 GiB of its own: the driver's free figure fell by that, the budget did not
+    assert B.rebudget(start, 40 * GIB, 60 * GIB) == start.mb
+    # another process took 30 GiB: the budget shrinks by 0.9 x 30 GiB
+    assert B.rebudget(start, 10 * GIB, 60 * GIB) == int(0.9 * (70 * GIB - work)) // 2**20
+    # it took everything: nothing for the cache, never negative
+    assert B.rebudget(start, 0, 0) == 0
+    # it went away, and more is free than at start-up: the budget grows
+    assert B.rebudget(start, 110 * GIB, 0) > start.mb
+    # a budget that was not sized from the device stays as it was
+    assert B.rebudget(B.cache_budget(cfg, 2, setting_mb=500), 0, 0) == 500
+
+
+def test_check_fits_names_what_is_needed_and_what_was_found():
+    B.check_fits("x", GIB, 2 * GIB, "hint")
+    B.check_fits("x", GIB, None, "hint")  # not measured: passes
+    with pytest.raises(B.DeviceTooSmall, match=r"the largest forward needs 1024 MiB .* 512 MiB is free: lower it"):
+        B.check_fits("the largest forward", GIB, GIB // 2, "lower it")
+
+
+def test_engine_shrinks_its_budget_when_another_process_takes_device_memory(monkeypatch):
+    """The engine's re-check as it runs on CUDA, on the CPU: the free-memory figure is the test's. The budget shrinks
+    by what the other process took, the cache moves what no longer fits to the host tier, rows still answer as the
+    uncached forward does, and the budget grows back when the memory is given back."""
+    import dataclasses
+
+    import statecache.engine as E
+    from tests.test_engine import check
+
+    eng = Engine(None, "cpu", "float32", settings=CacheSettings(min_prefix=64, stride=192, mb=4, host_mb=64))
+    free = [64 * 2**20]
+    monkeypatch.setattr(E, "device_free_bytes", lambda device: free[0])
+    eng.budget_at_start = eng.budget = dataclasses.replace(eng.budget, mb=4, source="device", free_mb=64.0,
+                                                            workspace_mb=0.0, fraction=0.0625)
+    eng._reserved0 = 0  # what the re-check counts this process's reservations from (torch.cuda: 0 on the CPU)
+    rng = np.random.default_rng(5)
+    rows = []
+    for n in (700, 800, 900, 1000):
+        ids = rng.integers(0, 500, size=n + 10).tolist()
+        rows.append({"ids": ids, "state_len": n, "slots": [n + 9], "nopts": [3]})
+    got = dict(eng.submit(rows, list(range(4))))
+    while eng.pending():
+        got.update(eng.step())
+    before = eng.cache.index.bytes
+    assert before > 2 * 2**20  # the four states fill more than half the budget
+    free[0] = 32 * 2**20  # another process took half the device
+    assert eng.recheck_memory() == 2 and eng.cache.index.budget_bytes == 2 * 2**20
+    assert eng.cache.index.bytes <= 2 * 2**20 and eng.cache.index.host_bytes > 0  # moved to the host, not lost
+    assert eng.stats()["budget"]["mb"] == 2 and eng.stats()["budget_rechecks"]["shrunk"] == 1
+    again = [dict(r, ids=r["ids"][:-1] + [7], slots=[len(r["ids"]) - 1]) for r in rows]
+    got2 = dict(eng.submit(again, list(range(4))))
+    while eng.pending():
+        got2.update(eng.step())
+    res = [got2[i] for i in range(4)]
+    assert all(r["path"] == "hit" for r in res), [r["path"] for r in res]
+    check(eng, again, res)
+    free[0] = 64 * 2**20  # given back
+    assert eng.recheck_memory() == 4 and eng.stats()["budget_rechecks"]["grown"] == 1
+    assert eng.recheck_memory() == 4 and eng.stats()["budget_rechecks"]["rechecks"] >= 3  # the steps re-check too
