@@ -50,7 +50,7 @@ class Settings:
     # --- the state cache
     cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")
     cache_fraction: float = _f(0.9, "STATECACHE_CACHE_FRACTION", "share of free device memory the cache may take when CACHE_MB is unset")
-    host_cache_mb: int | None = _f(None, "STATECACHE_HOST_CACHE_MB", "host-memory tier for the states the device budget cannot keep, in MiB (pinned on cuda, in 1 GiB slabs allocated as it fills and kept); 0 turns it off (default: half the host's MemAvailable, at most 256 GiB; logged at start-up)")
+    host_cache_mb: int | None = _f(None, "STATECACHE_HOST_CACHE_MB", "host-memory tier for the states the device budget cannot keep, in MiB (on cuda pinned in 256 MiB slabs, one registered beside each forward after start-up, and kept); 0 turns it off (default: half the host's MemAvailable, at most 256 GiB; logged at start-up)")
     cache_stride: int = _f(2048, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
     cache_tail: int = _f(16, "STATECACHE_CACHE_TAIL", "and one this many tokens before the state's end (0: none)")
     cache_align: int = _f(64, "STATECACHE_CACHE_ALIGN", "checkpoint positions are multiples of this")

@@ -41,6 +41,7 @@ import torch
 SLICE_ALIGN = 256  # every slice starts at a multiple of this (any dtype's view is aligned)
 SLAB_BYTES = 1 << 28  # the pool grows by slabs of at least this size (a 9B-shaped 4k state is ~275 MB in a few
 # tensors, none over 64 MiB; a larger tensor gets a slab of its own size)
+REGISTER_SHARE = 0.1  # most of the serving thread's time that registering slabs may take
 READY_AHEAD = 4  # slabs the faulting thread keeps ready for registering, ahead of the serving thread
 
 log = logging.getLogger("statecache.tiers")
@@ -87,6 +88,7 @@ class HostPool:
         self._prepared = 0  # bytes handed to `_ready` or admitted
         self._want = self.slab_bytes  # the size the next prepared slab must have at least (largest tensor asked for)
         self._preparer: threading.Thread | None = None
+        self._next_admit = 0.0  # CUDA: no slab is registered before this (perf_counter; see grow_while_device_runs)
         self._maps: list = []  # the mmaps behind the slabs (kept alive with them)
         self.stats = {"copies_down": 0, "bytes_down": 0, "copies_up": 0, "bytes_up": 0, "up_ms": 0.0,
                       "no_room": 0, "slabs": 0, "slab_ms": 0.0, "prepare_ms": 0.0}
@@ -136,8 +138,12 @@ class HostPool:
     def grow_while_device_runs(self) -> bool:
         """Admit one prepared slab, if one is ready and the pool is not whole: the serving thread calls this after it
         has launched a forward and before it waits for it (the driver's time to register the slab is then time the
-        thread would have waited anyway). True when a slab was admitted."""
+        thread would have waited anyway). True when a slab was admitted. Registering is paced: at most
+        REGISTER_SHARE of the serving thread's time since the last one (should the driver take long, the tier fills
+        slower rather than the serving thread waiting)."""
         if not self.background or self.allocated >= self.nbytes:
+            return False
+        if self.cuda and time.perf_counter() < self._next_admit:
             return False
         try:
             slab = self._ready.get_nowait()
@@ -155,6 +161,14 @@ class HostPool:
         return True
 
     def _admit(self, m, slab: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._admit_timed(m, slab)
+        finally:
+            t1 = time.perf_counter()
+            self._next_admit = t1 + (t1 - t0) * (1 / REGISTER_SHARE - 1)
+
+    def _admit_timed(self, m, slab: torch.Tensor) -> None:
         t0 = time.perf_counter()
         size = slab.numel()
         if self.cuda and m is not None:
