@@ -3,8 +3,8 @@
 `Settings.from_env()` reads `REDIS_URL` and the `STATECACHE_*` variables (each field's `env` metadata), checks
 their types and warns about `STATECACHE_*` variables it does not know (a typo would otherwise be ignored).
 Everything else takes a `Settings` (or the values in it) as arguments: this is the only module of the
-project that reads `os.environ` (tests/test_service_rules.py checks that). The README's settings table lists
-these fields exactly (also checked).
+project that reads `os.environ` (tests/test_rules.py checks that). The settings table in docs/SETTINGS.md
+lists these fields exactly (also checked).
 
 Knows the variables, their types and defaults; knows nothing of the engine, arq or Redis beyond the names.
 The cache's own defaults are those of statecache.cache.CacheSettings (a test checks they agree; importing
@@ -44,7 +44,7 @@ class Settings:
     cold_ok: str = _f("", "STATECACHE_COLD_OK", "import path of the cold_ok policy (default: statecache.policy.PlantWhenItFits)")
     compile: bool | None = _f(None, "STATECACHE_COMPILE", "torch.compile the elementwise kernels (default: on cuda)")
     precapture: bool = _f(True, "STATECACHE_PRECAPTURE", "capture every CUDA graph before serving (no-op on the CPU)")
-    specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; README: Specialists; default: none)")
+    specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; docs/SPECIALISTS.md; default: none)")
     batch: int = _f(64, "STATECACHE_BATCH", "most rows of saved states run in one batched forward (0: one at a time)")
     max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")
     # --- the state cache
@@ -82,7 +82,7 @@ class Settings:
                 values[f.name] = _parse(f.metadata["env"], raw, f.type)
         if warn_unknown:
             for name in unknown_variables(env):
-                log.warning("unknown setting %s ignored (known: see `statecache.settings.Settings` or the README)", name)
+                log.warning("unknown setting %s ignored (known: see `statecache.settings.Settings` or docs/SETTINGS.md)", name)
         return cls(**{**values, **overrides})
 
     def __repr__(self) -> str:  # the dataclass's own, less REDIS_URL's password (statecache.protocol.redact)
@@ -138,7 +138,7 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def table() -> list[tuple[str, str, Any, str]]:
-    """(variable, field, default, what it does) for every setting, as the README lists them."""
+    """(variable, field, default, what it does) for every setting, as docs/SETTINGS.md lists them."""
     return [(f.metadata["env"], f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(Settings)]
 
 
@@ -151,7 +151,7 @@ def _show(value: Any) -> str:
 
 
 def markdown_table() -> str:
-    """The README's settings table (tests/test_rules.py checks the README carries exactly this)."""
+    """The settings table of docs/SETTINGS.md (tests/test_rules.py checks that file carries exactly this)."""
     lines = ["| variable | setting | default | what it does |", "| --- | --- | --- | --- |"]
     lines += [f"| `{env}` | `{name}` | {_show(default)} | {doc} |" for env, name, default, doc in table()]
     return "\n".join(lines)
