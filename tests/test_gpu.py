@@ -202,15 +202,16 @@ def test_rows_with_options_through_graphs_match_plain(kernels):
 
 
 def test_rows_restored_from_the_pinned_host_tier_match_plain(kernels):
-    """The host tier on CUDA (statecache.tiers.HostPool: pinned slabs, copies on the pool's own stream): with a device
-    budget that holds about one state, earlier states move to the host and a row that returns to one is a hit copied
-    back, answering as the plain path's forward of the same row (float32, the tiny model, CUDA graphs)."""
+    """The host tier on CUDA (statecache.tiers.HostPool: slabs registered with the driver beside forwards, copies on
+    the pool's own stream): with a device budget that holds about one state, earlier states move to the host and a
+    row that returns to one is a hit copied back, answering as the plain path's forward of the same row (float32, the tiny model, CUDA graphs)."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
     from statecache.index import DEVICE
 
     eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128, mb=1, host_mb=64),
                  compile=False)
+    eng.cache.host._preparer.join(60)  # its slab's pages faulted in (the serving thread registers it beside a forward)
     V = eng.vocab_size
     g = torch.Generator().manual_seed(7)
     n = 2 * eng.cache.index.budget_bytes // eng.cache.state_bytes(300) + 2  # twice what the device budget holds
