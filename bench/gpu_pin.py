@@ -121,6 +121,9 @@ def main() -> None:
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     size = a.slab_mib * MIB
+    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # cuBLAS's handle before any pinning (an
+    # H100 run failed cublasCreate when the first matmul came after the slabs were registered)
+    torch.cuda.synchronize()
     res = {"device": torch.cuda.get_device_name(), "slab_mib": a.slab_mib, "ways": ways(size, a.slabs)}
     print(json.dumps(res["ways"], indent=1), flush=True)
     keep = []
