@@ -72,6 +72,9 @@ def ways(size: int, n: int) -> dict:
         out["register_huge" if huge else "register"] = {
             "touch_s_per_gib": sum(touch) / (n * size) * 2**30, "register_s_per_gib": sum(reg) / (n * size) * 2**30,
             "register_each_ms": [round(1e3 * x, 1) for x in reg], "copy_gbps": copy_gbps(keep[-1][1])}
+    for item in keep:  # registered memory is unregistered before it is unmapped (else the driver breaks)
+        if isinstance(item, tuple):
+            torch.cuda.cudart().cudaHostUnregister(item[1].data_ptr())
     pageable = torch.empty(size, dtype=torch.uint8)
     pageable.zero_()
     out["pageable_copy_gbps"] = copy_gbps(pageable)
@@ -121,9 +124,6 @@ def main() -> None:
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     size = a.slab_mib * MIB
-    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # cuBLAS's handle before any pinning (an
-    # H100 run failed cublasCreate when the first matmul came after the slabs were registered)
-    torch.cuda.synchronize()
     res = {"device": torch.cuda.get_device_name(), "slab_mib": a.slab_mib, "ways": ways(size, a.slabs)}
     print(json.dumps(res["ways"], indent=1), flush=True)
     keep = []

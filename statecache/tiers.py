@@ -35,6 +35,7 @@ import mmap
 import queue
 import threading
 import time
+import weakref
 
 import torch
 
@@ -55,6 +56,16 @@ def _touch(t: torch.Tensor) -> None:
     """Fault in every page of `t` on this thread alone (a memset: torch's zero_ would take the intra-op pool, which
     the serving thread's host work uses)."""
     ctypes.memset(t.data_ptr(), 0, t.numel())
+
+
+def _unregister(addresses: list[int], maps: list) -> None:
+    """A CUDA pool's finaliser: its slabs unregistered, then (on return) its mmaps free to go."""
+    for addr in addresses:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+        except Exception:  # noqa: BLE001 - nothing more to do for it
+            pass
+    addresses.clear()
 
 
 class HostPayload:
@@ -90,6 +101,11 @@ class HostPool:
         self._preparer: threading.Thread | None = None
         self._next_admit = 0.0  # CUDA: no slab is registered before this (perf_counter; see grow_while_device_runs)
         self._maps: list = []  # the mmaps behind the slabs (kept alive with them)
+        self._registered: list[int] = []  # CUDA: addresses registered with the driver, unregistered before the
+        # mmaps go (memory unmapped while registered left the driver broken: a later cublasCreate failed on an H100)
+        if self.cuda:
+            fin = weakref.finalize(self, _unregister, self._registered, self._maps)
+            fin.atexit = False  # at exit the process's teardown frees both
         self.stats = {"copies_down": 0, "bytes_down": 0, "copies_up": 0, "bytes_up": 0, "up_ms": 0.0,
                       "no_room": 0, "slabs": 0, "slab_ms": 0.0, "prepare_ms": 0.0}
 
@@ -175,6 +191,7 @@ class HostPool:
             err = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), size, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
+            self._registered.append(slab.data_ptr())
         elif self.cuda:
             slab = slab.pin_memory()
         with self._lock:
