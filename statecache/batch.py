@@ -588,6 +588,25 @@ class BatchRunner:
         slot = sum(len(pc.snaps) for pc in pieces[:b])
         return [(self.st.snap_conv[:, n], self.st.snap_S[:, n]) for n in range(slot, slot + len(pieces[b].snaps))]
 
+    def read_later(self, out: torch.Tensor):
+        """Start copying a forward's probabilities to the host behind it (before a later forward overwrites them) ->
+        a function that waits for the copy and returns them (float32; its wait counted in stats["gpu_wait_s"])."""
+        if out.device.type != "cuda":
+            host = out.float().clone()
+            return lambda: host
+        host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> torch.Tensor:
+            t0 = time.perf_counter()
+            done.synchronize()
+            self.stats["gpu_wait_s"] += time.perf_counter() - t0
+            return host
+
+        return wait
+
     def read(self, out: torch.Tensor) -> torch.Tensor:
         """A forward's probabilities on the host (float32), once the GPU is done."""
         if out.device.type != "cuda":

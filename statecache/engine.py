@@ -14,8 +14,9 @@ Rows the step loop does not take run at submission through the paths that came b
 (checkpoints with a vision tower: statecache.images, statecache.vision; their memo and group keys include each
 image's content hash, the index knows their states by key tokens), specialists (`specialists=`: every result then
 names its `route`; new states plant through the cache's chunked path with a route and the router's feature sum, rows
-of saved states run batched with their checkpoint's route), rows with more slots or a longer question than a piece
-holds, and every row when there is no batched runner (`batch=0`). There: rows of saved states through one batched
+of saved states run batched with their checkpoint's route), rows a step gave back (`retry`), and every row when
+there is no batched runner (`batch=0`). Start-up warms and captures these paths only where image rows or
+specialists can come (`others_warm`). There: rows of saved states through one batched
 call (StateCache.rows_batched), new states through the plain path's forwards (statecache.plain, statecache.plant),
 what those leave one row at a time through the state cache; the checkpoints they restore are pinned meanwhile.
 
@@ -127,40 +128,53 @@ class Engine:
         self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks,
                                   specialists=self.specialists)
         self.cache = StateCache(self.runner, settings)
-        self.cache.batch = self._batch_runner(batch, max_pos) if batch > 0 else None
-        self.precapture_info = self.runner.precapture() if precapture and self.runner.use_graphs else None
-        if self.precapture_info is not None and self.cache.batch is not None:
-            self.precapture_info["batch"] = self.cache.batch.precapture()
-        if self.precapture_info is not None:
-            info = self.precapture_info
-            log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
-                     f"; failed: {info['failed']}" if info["failed"] else "")
+        # the step loop's runner takes rows up to the longest a row may be (its key span only sizes kernel splits)
+        self.cache.batch = self._batch_runner(batch, max(max_pos, max_row_tokens)) if batch > 0 else None
+        # image rows (a checkpoint with a vision tower and an image processor): known before start-up captures
+        from .images import ImageSupport
+
+        self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
+        # the step loop (statecache.step) runs text rows of the trunk, where the batched runner runs (its snapshots sit
+        # on its 64-token chunks, so the cache's checkpoints must too). The engine's other paths (the chunk runner,
+        # statecache.plain and its planting graphs) serve what it does not take: image rows, specialists, and rows a
+        # step gave back (`retry`). Start-up captures and warms them only where rows of the first two kinds can come;
+        # else they capture on first use, and the largest forward the device must leave room for is the step's.
+        step_loop = self.cache.batch is not None and self.specialists is None and self.cache.s.align % CHUNK == 0
+        self.others_warm = not step_loop or self.images is not None
+        self.precapture_info = None
+        if precapture and self.runner.use_graphs:
+            self.precapture_info = info = (self.runner.precapture() if self.others_warm
+                                           else {"graphs": 0, "seconds": 0.0, "failed": []})
+            if self.others_warm:
+                log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
+                         f"; failed: {info['failed']}" if info["failed"] else "")
+            if self.cache.batch is not None:
+                info["batch"] = self.cache.batch.precapture()
+                log.info("precaptured %d batch graphs in %.1f s", info["batch"]["graphs"], info["batch"]["seconds"])
         # plant_graphs: new states through statecache.plant.PlantGraph (default: where CUDA graphs are used; True on
         # the CPU runs its forward eagerly, the tests' form). The one place that decides whether its graphs advance a
         # state to a position off the 64-token chunks (a cost to every new page): only a cache aligned to less needs it
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
                                specialists=self.specialists, plant_graphs=plant_graphs,
                                plant_unaligned=self.cache.s.align % 64 != 0)
-        if self.precapture_info is not None:
+        if self.precapture_info is not None and self.others_warm:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
             # short lone rows' graphs, and the planting graphs of every length a new state can have
             self.precapture_info["plain"] = info = self.plain.precapture(plant_from=self.cache.s.min_prefix)
             if "planting" in info:
                 log.info("precaptured %d planting graphs in %.1f s (new states of %d-%d tokens)", info["planting"]["graphs"],
                          info["planting"]["seconds"], self.cache.s.min_prefix, self.plain.planter.max_tokens)
+        if self.precapture_info is not None:
             self.plain.capture_on_demand = False  # nothing is captured while serving (other lone rows run packed)
-        # image rows (a checkpoint with a vision tower and an image processor): the tower loads before the cache's
-        # budget is sized from the memory left
+        # image rows: the vision tower loads before the cache's budget is sized from the memory left
         self.embeddings = None
-        from .images import ImageSupport
-
-        self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
         if self.images is not None:
             from .vision import Embeddings, VisionTower
 
             self.embeddings = Embeddings(self.images, VisionTower.from_checkpoint(self.model_dir, self.device, self.dtype))
         self._reserved0: int | None = None  # set by _size_cache where the budget comes from the device
-        self.budget = self._size_cache(settings, auto_budget, cache_fraction, max(plain_tokens, max_row_tokens))
+        largest = max(plain_tokens, max_row_tokens) if self.others_warm else self.cache.batch.max_tokens
+        self.budget = self._size_cache(settings, auto_budget, cache_fraction, largest)
         self.budget_at_start = self.budget
         self.memory = {"rechecks": 0, "shrunk": 0, "grown": 0}  # the budget re-checked while serving
         self._recheck_at = 0.0
@@ -172,10 +186,8 @@ class Engine:
         # time goes): the step loop's steps (step_*: rows it finished), and the other paths' phases of `_run`
         self.phases = {**{f"{k}_{u}": 0 for k in ("step", "batched", "packed", "graph", "one_by_one") for u in ("s", "rows")},
                        "step_cpu_s": 0, "steps": 0, "packed_cpu_s": 0, "graph_cpu_s": 0}
-        # the step loop (statecache.step): text rows of the trunk, where the batched runner runs (its snapshots sit
-        # on its 64-token chunks, so the cache's checkpoints must too)
         self.steps = None
-        if self.cache.batch is not None and self.specialists is None and self.cache.s.align % CHUNK == 0:
+        if step_loop:
             self.steps = Steps(self.cache, self.cache.batch, self.cold_ok, budget_tokens=step_tokens,
                                chunk_tokens=step_chunk)
         self._flight: dict = {}  # memo key of a scheduled row -> the tags waiting for it (the first is its own)
@@ -290,8 +302,8 @@ class Engine:
 
     def submit(self, rows: list, tags: list, waiting_rows: int = 0) -> list[tuple]:
         """Rows in, each with its caller's tag -> (tag, result) for the rows answered at once: bad rows (their
-        error), memo answers and the rows the step loop does not take (image rows, specialists, rows whose question
-        does not fit a piece: run now through the engine's other paths). The others join the schedule; `step` answers
+        error), memo answers and the rows the step loop does not take (image rows, specialists: run now through the
+        engine's other paths). The others join the schedule; `step` answers
         them. A row equal to one already scheduled is answered with it (path "memo")."""
         if len(tags) != len(rows):
             raise ValueError(f"{len(tags)} tags for {len(rows)} rows")
@@ -324,20 +336,21 @@ class Engine:
         return self.steps.pending() if self.steps is not None else 0
 
     def step(self) -> list[tuple]:
-        """Run one step of the schedule (statecache.step.Steps) -> (tag, result) for each row it finished; a row the
-        step could not run goes through the engine's other paths now (one at a time), except one that ran out of
-        device memory alone (its `out_of_memory` error)."""
+        """Launch the schedule's next step and finish the one before it (statecache.step.Steps: the device runs one
+        step while the host prepares the next) -> (tag, result) for each row that finished; a row the step could not
+        run goes through the engine's other paths now (one at a time), except one that ran out of device memory
+        alone (its `out_of_memory` error)."""
         if self.steps is None or not self.steps.pending():
             return []
         t0, c0 = time.perf_counter(), time.thread_time()
         if self._reserved0 is not None and t0 >= self._recheck_at:
             self._recheck_at = t0 + MEMORY_CHECK_S
             self.recheck_memory()
-        declined = self.steps.sched.stats["declined"]
+        declined, launched = self.steps.sched.stats["declined"], self.steps.stats["steps"]
         done = self.steps.step()
         self.counts["declined"] += self.steps.sched.stats["declined"] - declined
         self._phase("step", len(done), t0, c0)
-        self.phases["steps"] += 1
+        self.phases["steps"] += self.steps.stats["steps"] - launched  # steps launched (a call may only finish one)
         out, again = [], []
         for key, ans in done:
             tags = self._flight.pop(key)

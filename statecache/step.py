@@ -11,13 +11,18 @@ Planting is deferred to a state's last checkpoint: the group is made once, with 
 must not move to the host tier while a row still writes them). A row whose first piece restores a checkpoint on the
 host tier gets it copied back first (StateCache.bring's promote), all the step's restores pinned meanwhile.
 
+A question longer than the runner's longest piece, or with more slots than a piece holds, runs as several pieces
+(the scheduler cuts it): each piece answers the slots inside it, the row keeps its K/V through the question, and it
+is answered when its last piece has run.
+
 Failure isolation: a forward that raises is halved until the failing piece stands alone; device memory running out
 (torch.OutOfMemoryError) first frees cache (half the device budget's least recently used checkpoints, to the host
 tier where there is one), empties the allocator's cache and runs the halves again; a row that fails alone is
 dropped from the schedule and returned with its error (`out_of_memory` when memory ran out with nothing left to free).
 
 Knows the batched runner, the cache's payload layout and the scheduler; nothing of Redis, the memo or the worker.
-Text rows of the trunk only: the engine keeps image rows and specialists on its other paths.
+Text rows of the trunk only (of any length up to the runner's longest key span): the engine keeps image rows and
+specialists on its other paths.
 """
 
 from __future__ import annotations
@@ -57,14 +62,25 @@ class _Live:
     key: object  # the engine's handle (its memo key)
     row: dict  # the checked row: ids (int64 array), state_len, slots, options
     p: int  # where its state's deepest checkpoint goes (0: it plants nothing: the cache does not take it)
-    cap: int  # its K/V buffer's length: p, or for a row the cache does not take its first slot rounded down
+    cap: int  # its K/V buffer's length: p, or for a row the cache does not take its first slot rounded down; n for
+    # a row whose question takes several pieces (they read the question's K/V before them)
     pinned: object = None  # the checkpoint found at `add`, pinned until the row ends (its follow-up is protected)
     conv: torch.Tensor | None = None  # state at the next piece's start (after its first piece)
     S: torch.Tensor | None = None
     K: torch.Tensor | None = None  # its own K/V of [0, cap) (rows of more than one piece, or that plant)
     V: torch.Tensor | None = None
     snaps: list = field(default_factory=list)  # (pos, conv, S) computed, to plant
-    probs: list | None = None
+    probs: list | None = None  # per slot, filled by the pieces that hold them
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A step launched and not yet finished: the scheduler's plan, per forward that answers slots its items and the
+    wait for its answers, and the checkpoints its pieces restore (pinned until it is done)."""
+
+    step: object
+    reads: list
+    pinned: list
 
 
 class CacheView:
@@ -123,7 +139,8 @@ class Steps:
         self.view = CacheView(cache, self._planted)
         self.sched = Scheduler(self.view, Layout(cache.s.stride, cache.s.tail, a), budget_tokens=budget,
                                chunk_tokens=chunk, max_seqs=runner.max_batch, cold_ok=cold_ok,
-                               max_plants_piece=SNAPS_PER_PIECE)
+                               max_plants_piece=SNAPS_PER_PIECE, max_piece=runner.max_piece,
+                               max_slots=runner.max_slots)
         self.live: dict[int, _Live] = {}
         self._rid = 0
         st = runner.st
@@ -132,24 +149,23 @@ class Steps:
         self._planting: dict[int, list] = {}  # rid -> positions planted so far (deferred to the last one)
         self.stats = {"steps": 0, "forwards": 0, "pieces": 0, "tokens": 0, "oom_relieved": 0, "oom_failed": 0,
                       "failed": 0}
-        # where a step's wall time went (seconds, cumulative): planning, bringing restores to the device, the
-        # forwards (the answers' read included: it waits for the device), keeping states, planting, evicting
-        self.seconds = dict.fromkeys(("plan", "restore", "forward", "keep", "plant", "evict"), 0.0)
+        # where a step's wall time went (seconds, cumulative): planning, bringing restores to the device, launching
+        # the forwards (keeping states inside it: `keep`), waiting for and reading the answers, the scheduler's done
+        # (planting inside it: `plant`), evicting
+        self.seconds = dict.fromkeys(("plan", "restore", "forward", "keep", "read", "done", "plant", "evict"), 0.0)
+        self._flight: _Flight | None = None  # the step launched and not yet finished
 
     # ---- which rows ----------------------------------------------------------------------------------------------
 
     def takes(self, row: dict) -> bool:
-        """Can this checked row run here? Text rows whose question (from the aligned first slot, or p for a row the
-        cache takes) fits one piece, with at most the runner's slots, inside its longest key span."""
-        if "mm" in row or len(row["slots"]) > self.runner.max_slots or len(row["slots"]) != len(row["options"]):
+        """Can this checked row run here? Text rows inside the runner's longest key span, with at most the slots a
+        piece holds at any one position (a question is cut into as many pieces as its length and slots need)."""
+        if "mm" in row or len(row["slots"]) != len(row["options"]) or not len(row["slots"]):
             return False
         n = len(row["ids"])
         if n < 1 or n > self.runner.bk.max_keys:
             return False
-        if self._cacheable(row):
-            return n - self.cache.state_end(row["state_len"]) <= self.runner.max_piece
-        first = min(row["slots"])
-        return n - (first - first % self.cache.s.align) <= self.runner.max_piece
+        return int(np.unique(np.asarray(row["slots"]), return_counts=True)[1].max()) <= self.runner.max_slots
 
     def _cacheable(self, row: dict) -> bool:
         return self.cache.s.mb > 0 and self.cache.eligible(row["ids"], row["state_len"], row["slots"])
@@ -161,7 +177,11 @@ class Steps:
         cacheable = self._cacheable(row)
         p = self.cache.state_end(row["state_len"]) if cacheable else 0
         first = min(int(x) for x in row["slots"])
-        live = _Live(key, row, p, p if cacheable else first - first % self.cache.s.align)
+        srow = Row(rid, row["ids"], row["state_len"], tuple(int(s) for s in row["slots"]), cacheable)
+        stop = p if cacheable else first - first % self.cache.s.align
+        n = len(row["ids"])
+        live = _Live(key, row, p, stop if self.sched.question_end(srow, stop) == n else n)
+        live.probs = [None] * len(row["slots"])
         forks: tuple = ()
         found = None
         if cacheable:
@@ -172,8 +192,8 @@ class Steps:
             x = self.cache.fork_point(row["ids"], p, found.pos if found is not None else 0)
             forks = (x,) if x else ()
         self.live[rid] = live
-        self.sched.add(Row(rid, row["ids"], row["state_len"], tuple(int(s) for s in row["slots"]), cacheable, forks),
-                       found)
+        srow.forks = forks
+        self.sched.add(srow, found)
         return rid
 
     def pending(self) -> int:
@@ -183,25 +203,53 @@ class Steps:
 
     @torch.no_grad()
     def step(self) -> list[tuple[object, Answer | RowFailed]]:
-        """Plan and run one step -> (key, Answer or RowFailed) for each row it finished or failed."""
+        """Launch the next step, then finish the one launched before it -> (key, Answer or RowFailed) for each row
+        that finished or failed. The next step is planned and launched before the previous one's answers are read
+        (the scheduler plans ahead of `done`), so the device runs one step while the host prepares the next and
+        delivers the last; a call with nothing new to launch finishes what is in flight."""
+        flight, out = self._launch()
+        prev, self._flight = self._flight, flight
+        if prev is not None:
+            out += self._finish(prev)
+        return out
+
+    def _launch(self) -> tuple["_Flight | None", list]:
+        """Plan a step, bring its restores to the device (pinned until it is done), and launch its forwards (their
+        states kept and answers copied to the host asynchronously) -> (the step in flight or None, rows failed)."""
         sec, t0 = self.seconds, time.perf_counter()
         step = self.sched.plan()
         t1 = time.perf_counter()
         sec["plan"] += t1 - t0
         if not step.pieces:
-            return []
+            return None, []
         out: list = []
-        items = self._restore(step, out)
+        items, pinned = self._restore(step, out)
         t2 = time.perf_counter()
         sec["restore"] += t2 - t1
         self.stats["steps"] += 1
         self.stats["pieces"] += len(items)
         self.stats["tokens"] += step.tokens
-        for failed, error in self._run(items):
+        reads: list = []
+        for failed, error in self._run(items, reads):
             out.append(self._fail(failed, error))
-        t3 = time.perf_counter()
-        sec["forward"] += t3 - t2
-        for fin in self.sched.done(step):
+        sec["forward"] += time.perf_counter() - t2
+        return _Flight(step, reads, pinned), out
+
+    def _finish(self, flight: "_Flight") -> list[tuple[object, Answer | RowFailed]]:
+        """A launched step's end: its answers read (waiting for the device), the scheduler told, the rows it finished
+        returned, its restores unpinned, the cache's budget enforced."""
+        sec, t0 = self.seconds, time.perf_counter()
+        for items, wait in flight.reads:
+            probs = wait().numpy()
+            for b, (bp, pc, live) in enumerate(items):
+                if bp.slots and live.probs is not None:
+                    here = [j for j, x in enumerate(live.row["slots"]) if pc.start <= x < pc.end]
+                    for k, (j, opts) in enumerate(zip(here, bp.nopts)):
+                        live.probs[j] = probs[b, k, : n_options(opts)].tolist()
+        t1 = time.perf_counter()
+        sec["read"] += t1 - t0
+        out: list = []
+        for fin in self.sched.done(flight.step):
             live = self.live.pop(fin.row.rid)
             self._end(fin.row.rid, live)
             if fin.path != "plain":  # the cache's rows (the engine counts plain ones)
@@ -212,28 +260,32 @@ class Steps:
                 st["tokens_reused"] += fin.reused
                 st["tokens_computed"] += fin.computed
             out.append((live.key, Answer(live.probs, fin.path, fin.reused, fin.computed)))
-        t4 = time.perf_counter()
+        self._unpin(flight)
+        t2 = time.perf_counter()
+        sec["done"] += t2 - t1
         self.cache.stats["evicted"] += len(self.cache.index.evict())
-        sec["evict"] += time.perf_counter() - t4
+        sec["evict"] += time.perf_counter() - t2
         return out
 
-    def _restore(self, step, out: list) -> list:
-        """The step's pieces as (runner Piece, scheduler piece, _Live): restores brought to the device first (all of
-        them pinned meanwhile); a row whose restore cannot be brought fails with `retry` (the engine runs it again
-        another way)."""
+    def _unpin(self, flight: "_Flight") -> None:
+        for c in flight.pinned:
+            self.cache.index.unpin(c)
+        flight.pinned = []
+
+    def _restore(self, step, out: list) -> tuple[list, list]:
+        """The step's pieces as (runner Piece, scheduler piece, _Live), and the checkpoints they restore: brought to
+        the device first and left pinned (the caller unpins them when the step is done: eviction in between, while
+        the step runs, must not take them); a row whose restore cannot be brought fails with `retry` (the engine runs
+        it again another way)."""
         index, st = self.cache.index, self.cache.stats
         restores = [pc.restore for pc in step.pieces if pc.restore is not None]
         for c in restores:
             index.pin(c)
-        try:
-            for c in restores:
-                if c.tier != DEVICE and index.promote(c):
-                    st["restored_host"] += 1
-                elif c.tier == DEVICE:
-                    st["restored_device"] += 1
-        finally:
-            for c in restores:
-                index.unpin(c)
+        for c in restores:
+            if c.tier != DEVICE and index.promote(c):
+                st["restored_host"] += 1
+            elif c.tier == DEVICE:
+                st["restored_device"] += 1
         items = []
         for pc in step.pieces:
             live = self.live.get(pc.rid)
@@ -246,7 +298,7 @@ class Steps:
                 items.append((self._piece(pc, live), pc, live))
             except Exception as e:  # noqa: BLE001 - this row only
                 out.append(self._fail(pc.rid, RowFailed("retry", f"{type(e).__name__}: {e}")))
-        return items
+        return items, restores
 
     def _piece(self, pc, live: _Live) -> Piece:
         """The runner's piece for scheduler piece `pc` of row `live`; allocates the row's K/V buffer of [0, cap) at
@@ -269,14 +321,13 @@ class Steps:
         inside = tuple(x for x in pc.plants if x < e)
         if not s:
             K = V = None
-        if pc.answer:
-            return Piece(row["ids"], s, e, conv, S, K, V, tuple(int(x) for x in row["slots"]), tuple(row["options"]),
-                         0, inside, keep_state=False)
-        return Piece(row["ids"], s, e, conv, S, K, V, snaps=inside)
+        here = [j for j, x in enumerate(row["slots"]) if s <= x < e]  # the row's slots this piece answers
+        return Piece(row["ids"], s, e, conv, S, K, V, tuple(int(row["slots"][j]) for j in here),
+                     tuple(row["options"][j] for j in here), 0, inside, keep_state=not pc.answer)
 
-    def _run(self, items: list) -> list[tuple[int, RowFailed]]:
+    def _run(self, items: list, reads: list) -> list[tuple[int, RowFailed]]:
         """Every piece through packed forwards (split at the runner's limits), isolating failures; returns the rows
-        that failed."""
+        that failed. reads: gets (items, wait for their answers) for each forward that answers slots."""
         r = self.runner
         groups, cur, tokens, snaps = [], [], 0, 0
         for it in items:
@@ -291,10 +342,10 @@ class Steps:
             groups.append(cur)
         failed: list = []
         for g in groups:
-            failed += self._forward(g)
+            failed += self._forward(g, reads)
         return failed
 
-    def _forward(self, items: list) -> list[tuple[int, RowFailed]]:
+    def _forward(self, items: list, reads: list) -> list[tuple[int, RowFailed]]:
         """One packed forward of `items` -> the rows that failed. Device memory running out frees cache and runs the
         same forward again while there is cache to free, then runs it in halves; any other failure runs it in halves
         until the failing piece stands alone."""
@@ -306,27 +357,28 @@ class Steps:
             out = r.forward(pieces)
             if self.cache.host is not None:  # the forward is launched: the host tier's slab is registered meanwhile
                 self.cache.host.grow_while_device_runs()
-            probs = r.read(out).numpy() if any(pc.answer for _, pc, _ in items) else None
+            self._keep(items)
+            if any(p.slots for p in pieces):  # copied to the host behind the forward, read when the step is done
+                reads.append((items, r.read_later(out)))
             self.stats["forwards"] += 1
-            self._keep(items, probs)
             return []
         except torch.OutOfMemoryError as e:
             if self._relieve():
-                return self._forward(items)
+                return self._forward(items, reads)
             if len(items) == 1:
                 self.stats["oom_failed"] += 1
                 return [(items[0][1].rid, RowFailed(
                     "out_of_memory", f"device memory ran out for this row alone with the cache emptied ({e}); give the "
                     "worker a device with more free memory, or lower STATECACHE_MAX_ROW_TOKENS"))]
             h = len(items) // 2
-            return self._forward(items[:h]) + self._forward(items[h:])
+            return self._forward(items[:h], reads) + self._forward(items[h:], reads)
         except Exception as e:  # noqa: BLE001 - isolate the failing row by halving
             if len(items) == 1:
                 log.warning("a step's piece failed: %s: %s", type(e).__name__, str(e)[:200])
                 code = "internal" if not isinstance(e, NotBatched) else "retry"
                 return [(items[0][1].rid, RowFailed(code, f"{type(e).__name__}: {e}"))]
             h = len(items) // 2
-            return self._forward(items[:h]) + self._forward(items[h:])
+            return self._forward(items[:h], reads) + self._forward(items[h:], reads)
 
     def _relieve(self) -> bool:
         """Device memory ran out: move half the device tier's bytes out (least recently used first; to the host tier
@@ -350,8 +402,9 @@ class Steps:
                         "forward again", (before - index.bytes) / 2**20)
         return freed
 
-    def _keep(self, items: list, probs) -> None:
-        """After a forward: each piece's chunk K/V into its row's buffer, its end state and snapshots kept, answers."""
+    def _keep(self, items: list) -> None:
+        """After a forward is launched, on the device behind it: each piece's chunk K/V into its row's buffer, its
+        end state and snapshots kept (before the next forward overwrites the runner's buffers)."""
         r, t0 = self.runner, time.perf_counter()
         pieces = [it[0] for it in items]
         for b, (bp, pc, live) in enumerate(items):
@@ -364,9 +417,7 @@ class Steps:
                     live.V[:, s:upto].copy_(Vc[:, : upto - s])
             for pos, (conv, S) in zip(bp.snaps, r.snapshot(pieces, b)) if bp.snaps else ():
                 live.snaps.append((pos, conv.clone(), S.clone()))
-            if pc.answer:
-                live.probs = [probs[b, j, : n_options(k)].tolist() for j, k in enumerate(bp.nopts)]
-            else:
+            if not pc.answer:
                 live.conv, live.S = r.st.conv[:, b].clone(), r.st.S[:, b].clone()
                 if e in pc.plants:
                     live.snaps.append((e, live.conv, live.S))
@@ -385,9 +436,11 @@ class Steps:
         if not snaps or snaps[-1][0] != live.p:
             return
         t0 = time.perf_counter()
+        K, V = live.K, live.V
+        if K.shape[1] > live.p:  # the buffer also holds the question's K/V (a question of several pieces): not kept
+            K, V = K[:, : live.p].clone(), V[:, : live.p].clone()
         try:
-            self.cache._plant(live.row["ids"], live.p, [(pos, conv, S, None) for pos, conv, S in snaps], 0,
-                              (live.K, live.V))
+            self.cache._plant(live.row["ids"], live.p, [(pos, conv, S, None) for pos, conv, S in snaps], 0, (K, V))
         except Exception:  # noqa: BLE001 - the answers stand; only the planting is lost
             log.exception("planting a step's checkpoints failed")
         live.snaps = []
@@ -408,5 +461,8 @@ class Steps:
         return live.key, error
 
     def clear(self) -> list[tuple[object, RowFailed]]:
-        """Give up every row in the schedule (each comes back with a `retry` failure)."""
+        """Give up every row in the schedule, the step in flight included (each comes back with a `retry` failure)."""
+        if self._flight is not None:
+            self._unpin(self._flight)
+            self._flight = None
         return [self._fail(rid, RowFailed("retry", "the schedule was cleared")) for rid in list(self.live)]

@@ -467,25 +467,27 @@ def test_a_scheduled_row_is_looked_up_once(engine, monkeypatch):
 
 
 def test_hits_ride_beside_a_new_pages_chunks(engine):
-    """A new page spreads over several steps (chunks of step_chunk tokens); a hit submitted while it runs is
-    answered by the next step, long before the page; a bad row is answered at submission."""
+    """A new page spreads over several steps (chunks of step_chunk tokens); a hit submitted while it runs rides in
+    the next step launched, and is answered when that step is finished (the call after: each call launches a step
+    and finishes the one before), long before the page; a bad row is answered at submission."""
     eng = engine(settings=CacheSettings(min_prefix=64, stride=128), step_chunk=128)
     a = toks(300, 31)
     eng.answer([row(a, 5, 1)])
     long_row = row(toks(700, 32), 6, 4)
     assert eng.submit([long_row], ["long"]) == [] and eng.pending() == 1
+    launched = eng.steps.stats["steps"]
     done = eng.step()
-    assert done == [] and eng.pending() == 1  # the page's first chunk
+    assert done == [] and eng.pending() == 1  # the page's first chunk, launched
     hit = row(a, 9, 2)
     now = eng.submit([hit, {"ids": [1]}], ["hit", "bad"])
     assert [t for t, _ in now] == ["bad"] and now[0][1]["error"]["code"]
+    assert eng.step() == []  # the hit and the page's second chunk launched; the first chunk finished
     got = dict(eng.step())
     assert list(got) == ["hit"] and got["hit"]["path"] == "hit"
-    steps = 2
     while eng.pending():
         got.update(eng.step())
-        steps += 1
-    assert got["long"]["path"] == "cold" and steps == 6  # 640 of state tokens in chunks of 128, then the question
+    # 640 of state tokens in chunks of 128, then the question
+    assert got["long"]["path"] == "cold" and eng.steps.stats["steps"] - launched == 6
     # every multiple of the stride, p - tail (624 -> 576, inside the last chunk) and p
     assert sorted(c.pos for c in eng.cache.index.lru_order() if c.group.tokens[:10] == long_row["ids"][:10]) == [
         128, 256, 384, 512, 576, 640]
@@ -538,8 +540,8 @@ def test_gpu_thread_hands_a_hit_back_before_the_new_page_ends():
 
 
 def test_stats_say_where_the_engine_spent_its_time(engine):
-    """Engine.stats()["phases"]: wall seconds of the steps and the rows they finished; the other paths' phases for
-    rows the step loop does not take (what the load benchmark reads to see where the time goes)."""
+    """Engine.stats()["phases"]: wall seconds of the steps and the rows they finished (what the load benchmark reads
+    to see where the time goes); a row with more slots than a piece holds runs through steps too."""
     eng = engine()
     a = toks(300, 51)
     eng.answer([row(a, 5, 1)])  # a new state: planted by its step
@@ -549,11 +551,13 @@ def test_stats_say_where_the_engine_spent_its_time(engine):
     ph = eng.stats()["phases"]
     assert ph["step_rows"] == 3 and ph["steps"] == 2
     five = {"ids": a + toks(10, 3), "state_len": 300, "slots": [300, 302, 304, 306, 309], "nopts": [2] * 5}
-    eng.answer([five])  # more slots than a piece holds: the packed forward
+    eng.answer([five])  # more slots than a piece holds (4): the step cuts its question into two pieces
     ph = eng.stats()["phases"]
-    assert ph["packed_rows"] == 1 and ph["packed_s"] > 0 and ph["step_rows"] == 3
+    # computed from 0 (the cache takes at most 4 slots): [0, 256) up to its first slot, then the question [256, 309)
+    # with four slots and [309, 310) with the fifth
+    assert ph["packed_rows"] == 0 and ph["step_rows"] == 4 and ph["steps"] == 5
     st = eng.stats()["steps"]
-    assert st["steps"] == 2 and st["pieces"] == 3 and st["failed"] == 0
+    assert st["steps"] == 5 and st["pieces"] == 6 and st["failed"] == 0
 
 
 def test_new_pages_run_in_arrival_order_and_the_rows_behind_them_hit(engine):

@@ -29,8 +29,9 @@ def engine_positions(layout, start, state_len):
                        max_chunk=layout.max_chunk or 1 << 20)
 
 
-def make_rows(seed: int, count: int, align: int):
-    """Rows of a few agents: new pages, repeats, grown states, middle changes, and some the cache cannot take."""
+def make_rows(seed: int, count: int, align: int, long_questions: bool = False):
+    """Rows of a few agents: new pages, repeats, grown states, middle changes, and some the cache cannot take.
+    long_questions: questions of up to 700 tokens with up to 7 slots (some at one position), for a runner's limits."""
     rng = random.Random(seed)
     toks = lambda k: [rng.randrange(1, 1 << 30) for _ in range(k)]  # noqa: E731 - distinct states share nothing
     rows, states = [], []
@@ -46,9 +47,11 @@ def make_rows(seed: int, count: int, align: int):
             base = rng.choice(states)
             state = base[: rng.randint(0, len(base))] + toks(rng.randint(1, 600))  # changed in the middle
         states.append(state)
-        q = toks(rng.randint(1, 90))
+        q = toks(rng.randint(1, 700 if long_questions and rng.random() < 0.5 else 90))
         ids = state + q
         slots = sorted({len(state) + rng.randrange(len(q)), len(ids) - 1})
+        if long_questions:
+            slots = sorted(slots + [len(state) + rng.randrange(len(q)) for _ in range(rng.randint(0, 5))])
         cacheable = rng.random() > 0.1 and state_end(len(state), align) > 0
         rows.append(Row(i, ids, len(state), slots, cacheable))
     return rows
@@ -105,18 +108,33 @@ def check_rows(d: Driver, layout: Layout, sched: Scheduler):
         p = state_end(r.state_len, a)
         assert pcs[0].start == f.reused and pcs[-1].end == r.n and f.computed == r.n - f.reused
         assert [pc.answer for pc in pcs] == [False] * (len(pcs) - 1) + [True]
+        stop = p if r.cacheable else r.first_slot - r.first_slot % a
         for x, y in zip(pcs, pcs[1:]):
             assert y.start == x.end and y.continues and y.restore is None  # contiguous, its own state carried on
-            assert x.end % a == 0 and (x.end <= p if r.cacheable else x.end <= r.first_slot)  # question in the last
+            # cut at the alignment up to the question; inside it after a multiple of align tokens, or at a slot
+            assert x.end % a == 0 if x.end <= stop else (x.tokens % a == 0 or x.end in r.slots)
+            assert x.end <= stop or x.start >= stop  # no piece holds both the end of the state and the question
         assert (pcs[0].restore is not None) == (f.reused > 0) and not pcs[0].continues
         if f.reused:
             assert pcs[0].restore.pos == f.reused
-        assert r.first_slot >= pcs[-1].start  # every answer slot is in the last piece
+        for pc in pcs:  # the runner's limits: tokens and slots a piece
+            assert sched.max_piece is None or pc.tokens <= sched.max_piece
+            assert sched.max_slots is None or sum(pc.start <= x < pc.end for x in r.slots) <= sched.max_slots
+        if sched.max_piece is None and sched.max_slots is None:
+            assert r.first_slot >= pcs[-1].start  # every answer slot is in the last piece
+        else:  # the question in as few pieces as the limits allow: each cut is forced by one of them
+            for x, y in zip(pcs, pcs[1:]):
+                if x.start >= stop:
+                    full = sched.max_piece is not None and x.tokens > sched.max_piece - sched.max_piece % a - 1
+                    slots_full = sched.max_slots is not None and \
+                        sum(x.start <= z <= x.end for z in r.slots) > sched.max_slots
+                    assert full or slots_full, (x, y, r.slots)
         planted = [pos for pc in pcs for pos in pc.plants]
         for pc in pcs:
             assert all(pc.start < pos <= pc.end for pos in pc.plants)
         if f.path == HIT:
-            assert f.reused == p and planted == [] and len(pcs) == 1
+            assert f.reused == p and planted == []
+            assert len(pcs) == 1 or sched.max_piece is not None or sched.max_slots is not None
         elif f.path in (COLD, PARTIAL):
             assert planted == engine_positions(layout, f.reused, r.state_len), (f, planted)
             assert (f.path == COLD) == (f.reused == 0)
@@ -134,7 +152,7 @@ def check_budget(sched: Scheduler):
             row = next(r for r in d.rows if r.rid == pc.rid)
             stop = state_end(row.state_len, sched.layout.align) if row.cacheable else \
                 row.first_slot - row.first_slot % sched.layout.align
-            assert pc.answer and pc.start >= stop
+            assert pc.start >= stop
     return check
 
 
@@ -166,6 +184,35 @@ def test_every_row_answered_in_budget_with_the_engines_checkpoints(seed, count, 
                 key = tuple(r.ids[:pos])
                 assert key not in seen, f"row {r.rid} computed a state another row planted (pos {pos})"
                 seen.add(key)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), count=st.integers(1, 16), layout=layouts, budget=st.integers(64, 3000),
+       chunk=st.integers(64, 2048), max_seqs=st.integers(1, 12), depth=st.integers(1, 3),
+       max_piece=st.sampled_from([None, 64, 128, 512]), max_slots=st.sampled_from([None, 1, 2, 4]))
+def test_long_questions_and_many_slots_are_cut_at_the_runners_limits(seed, count, layout, budget, chunk, max_seqs,
+                                                                      depth, max_piece, max_slots):
+    """Questions of up to 700 tokens and up to 7 slots under a runner's limits (tokens and slots a piece): every row
+    answered, each piece within both limits, cut only where one of them forces it, slots at one position never
+    split; the checkpoints planted are still the engine's."""
+    if max_piece is not None and max_piece < layout.align:
+        max_piece = layout.align
+    rows = make_rows(seed, count, layout.align, long_questions=True)
+    if max_slots is not None:  # a position holding more slots than a piece takes cannot run here (Steps.takes)
+        rows = [r for r in rows if max(r.slots.count(x) for x in r.slots) <= max_slots] or rows[:0]
+    rng = random.Random(seed + 1)
+    arrivals = [rng.randint(0, 10) for _ in rows]
+    sched = Scheduler(view_for(layout), layout, budget_tokens=budget, chunk_tokens=chunk, max_seqs=max_seqs,
+                      max_piece=max_piece, max_slots=max_slots)
+    d = Driver(sched, rows, arrivals, depth).run(check_budget(sched))
+    check_rows(d, layout, sched)
+
+
+def test_a_position_with_more_slots_than_a_piece_takes_is_refused():
+    sched = Scheduler(view_for(Layout(2048, 16, 64)), Layout(2048, 16, 64), max_slots=2)
+    with pytest.raises(ValueError, match="max_slots"):
+        sched.add(Row(0, list(range(300)), 290, [295, 295, 295]))
+    sched.add(Row(1, list(range(300)), 290, [295, 295, 299]))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -283,12 +330,19 @@ def test_plan_is_rejected_out_of_order_and_bad_settings():
     layout = Layout(2048, 16, 64)
     with pytest.raises(ValueError):
         Scheduler(view_for(layout), layout, budget_tokens=32)
-    sched = Scheduler(view_for(layout), layout)
+    sched = Scheduler(view_for(layout), layout, budget_tokens=128, chunk_tokens=128)
     sched.add(Row(1, list(range(500)), 400))
     with pytest.raises(ValueError):
         sched.add(Row(1, list(range(500)), 400))
     s1, s2 = sched.plan(), sched.plan()
+    assert s1.pieces and s2.pieces and s2.serial == s1.serial + 1
     with pytest.raises(ValueError):
         sched.done(s2)
     sched.done(s1)
     sched.done(s2)
+    empty = Scheduler(view_for(layout), layout)
+    e1 = empty.plan()  # nothing to run: an empty step takes no place in the order
+    assert not e1.pieces and empty.done(e1) == []
+    empty.add(Row(2, list(range(300)), 200))
+    s3 = empty.plan()
+    assert s3.serial == e1.serial and [f.row.rid for f in empty.done(s3)] == [2]

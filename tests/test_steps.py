@@ -118,6 +118,37 @@ def test_waves_of_rows_between_steps_answer_as_the_plain_forward(seed, step_toke
     assert eng.cache.index.bytes == index_bytes_recount(eng.cache)
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(seed=st.integers(0, 2**31 - 1), step_tokens=st.sampled_from([320, 2048]), mb=st.sampled_from([1, 64]),
+       qlens=st.lists(st.integers(1, 1200), min_size=1, max_size=4), slots=st.integers(1, 9))
+def test_long_questions_and_many_slots_run_through_the_step_as_the_plain_forward(seed, step_tokens, mb, qlens, slots):
+    """Questions longer than the runner's longest piece (512 tokens) and rows with more slots than a piece holds (4,
+    two at one position sometimes), over new, repeated and grown states: the step takes every row, cuts each question
+    into pieces, and each answer equals the plain forward's."""
+    eng = fresh(step_tokens, 192, mb)
+    rng = np.random.default_rng(seed)
+    base = toks(int(rng.integers(100, 600)), rng)
+    states = [base, base, base + toks(int(rng.integers(1, 100)), rng), toks(int(rng.integers(64, 400)), rng)]
+    rows = []
+    for k, q in enumerate(qlens):
+        s = states[k % len(states)]
+        ids = s + toks(q, rng)
+        at = [int(x) for x in rng.choice(np.arange(len(s), len(ids)), size=min(slots, q), replace=False)]
+        if len(at) > 1 and rng.random() < 0.5:
+            at[1] = at[0]  # two slots at one position
+        at = sorted(at)
+        rows.append({"ids": ids, "state_len": len(s), "slots": at, "nopts": [2 + j % 5 for j in range(len(at))]})
+    assert all(eng.steps.takes(eng._prepare(0, r)[0]) for r in rows)
+    before = {k: v for k, v in eng.phases.items() if k.endswith("_rows") and not k.startswith("step")}
+    res = eng.answer(rows)
+    assert {k: v for k, v in eng.phases.items() if k.endswith("_rows") and not k.startswith("step")} == before
+    assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
+    check(eng, rows, res)
+    for r in res:
+        event(r["path"])
+    assert eng.cache.index.bytes == index_bytes_recount(eng.cache)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_device_memory_running_out_at_random_forwards_changes_no_answer(seed):
     """A fault hook raises torch.OutOfMemoryError at a third of the step forwards while rows arrive in waves: the

@@ -8,12 +8,15 @@ stops at the first piece that does not fit (so nothing is served out of order):
    grown by an action), first come first served, from that checkpoint to the question's end;
 3. **long computations** (new pages, states changed in the middle, rows the cache cannot take), first come first
    served: each advances at most `chunk_tokens` a step, cut at multiples of `align` (the 64-token chunk of fla's
-   delta rule) except the row's final piece, which ends at n; a non-final piece never passes p (nor a plain row's
-   first slot), so the question is always in the final piece. A page so spreads over several steps and each step's
-   hits ride along.
+   delta rule), never past p (nor a plain row's first slot, aligned down): the question [stop, n) is its own part.
+   A page so spreads over several steps and each step's hits ride along.
+The question part runs as one piece [stop, n) unless the runner's limits cut it: at most `max_piece` tokens a piece
+(cut at multiples of `align`) and at most `max_slots` answer slots a piece (cut at the first slot past them); a
+piece answers the slots inside it, and the row's answer is complete when its last piece has run. A hit whose
+question is one piece is a hit above; one whose question takes several pieces runs with the long computations.
 A step holds at most `budget_tokens` tokens and `max_seqs` pieces (one piece per row: a sequence continues its own
-state), with one stated exception: a piece that cannot be split (a hit's [p, n), a final piece [p, n)) longer than
-the whole budget runs alone in a step of its own.
+state), with one stated exception: a question piece (cut only by the rule above) longer than the whole budget runs
+alone in a step of its own.
 
 A computation plants the checkpoints the engine's rule gives (`Layout.positions`: p, p - tail, the multiples of
 stride below p, aligned, deeper than where it restored) in the piece whose range (start, end] holds each one. A new
@@ -72,7 +75,8 @@ class Piece:
     """One sequence of a step: tokens [start, end) of row `rid`. `restore`: the checkpoint it starts from (the
     first piece of a row continuing a saved state), None otherwise; `continues`: it starts from the state its row's
     previous piece left (an earlier step); neither: it starts from nothing (position 0). `plants`: checkpoint
-    positions in (start, end] whose state this piece keeps; `answer`: the row's last piece (its slots are in it)."""
+    positions in (start, end] whose state this piece keeps; `answer`: the row's last piece (the row is answered when
+    it has run; each piece answers the row's slots in [start, end))."""
 
     rid: Hashable
     start: int
@@ -135,7 +139,8 @@ def _same(a, b, k: int) -> bool:
 class Scheduler:
     def __init__(self, view: CacheView, layout: Layout | None = None, *, budget_tokens: int = 2048,
                  chunk_tokens: int = 1024, max_seqs: int = 64, short_tokens: int | None = None,
-                 cold_ok: ColdPolicy | None = None, max_plants_piece: int | None = None):
+                 cold_ok: ColdPolicy | None = None, max_plants_piece: int | None = None,
+                 max_piece: int | None = None, max_slots: int | None = None):
         self.view = view
         self.layout = layout or Layout.from_settings()
         a = self.layout.align
@@ -143,6 +148,9 @@ class Scheduler:
             raise ValueError(f"budget_tokens and chunk_tokens must be >= align ({a}), max_seqs >= 1")
         if max_plants_piece is not None and max_plants_piece < 1:
             raise ValueError("max_plants_piece must be >= 1 (or None)")
+        if max_piece is not None and max_piece < a or max_slots is not None and max_slots < 1:
+            raise ValueError(f"max_piece must be >= align ({a}) and max_slots >= 1 (or None)")
+        self.max_piece, self.max_slots = max_piece, max_slots
         self.budget_tokens, self.chunk_tokens, self.max_seqs = int(budget_tokens), int(chunk_tokens), int(max_seqs)
         self.short_tokens = self.chunk_tokens if short_tokens is None else int(short_tokens)
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
@@ -167,6 +175,9 @@ class Scheduler:
             raise ValueError(f"row {row.rid!r} is already scheduled")
         if row.state_len < 0 or row.state_len > row.n or row.n < 1:
             raise ValueError(f"row {row.rid!r}: state_len {row.state_len} outside its {row.n} tokens")
+        if self.max_slots is not None and row.slots and max(np.unique(np.asarray(row.slots), return_counts=True)[1]) \
+                > self.max_slots:
+            raise ValueError(f"row {row.rid!r}: more than max_slots ({self.max_slots}) answer slots at one position")
         self._waiting.append((self._seq, row))
         self._seq += 1
         if found is not None:
@@ -182,9 +193,9 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------------------------
 
     def plan(self) -> Step:
-        """The next step (possibly empty: nothing runnable now)."""
-        self._serial += 1
-        step = Step(self._serial)
+        """The next step (possibly empty: nothing runnable now; an empty step takes no place in the order `done`
+        keeps, and `done` of it does nothing)."""
+        step = Step(self._serial + 1)
         left = self.budget_tokens
         started: set = set()
         cands = self._candidates()
@@ -212,6 +223,8 @@ class Scheduler:
             left -= piece.tokens
         if started:
             self._waiting = [(s, r) for s, r in self._waiting if r.rid not in started]
+        if step.pieces:
+            self._serial = step.serial
         self.stats["steps"] += bool(step.pieces)
         self.stats["pieces"] += len(step.pieces)
         self.stats["tokens"] += step.tokens
@@ -219,6 +232,8 @@ class Scheduler:
 
     def done(self, step: Step) -> list[Finished]:
         """The step ran: advance its pieces, record their checkpoints in the view, return the rows it finished."""
+        if not step.pieces:
+            return []
         if step.serial != self._done + 1:
             raise ValueError(f"step {step.serial} done out of order (expected {self._done + 1})")
         self._done = step.serial
@@ -270,7 +285,7 @@ class Scheduler:
                 out.append((job.kind, job.seq, job))
         for seq, row in self._waiting:
             _, c, p = self._lookup(row)
-            if row.cacheable and p > 0 and c == p:
+            if row.cacheable and p > 0 and c == p and self.question_end(row, p) == row.n:
                 kind = HITS
             else:
                 kind = SHORT if 0 < c and row.n - c <= self.short_tokens else LONG  # new states: pages
@@ -305,13 +320,13 @@ class Scheduler:
         cacheable = row.cacheable and p > 0
         a = self.layout.align
         stop = p if cacheable else row.first_slot - row.first_slot % a
-        path = HIT if kind == HITS else (PARTIAL if c > 0 else COLD if cacheable else PLAIN)
+        path = HIT if cacheable and c == p else (PARTIAL if c > 0 else COLD if cacheable else PLAIN)
         return _Job(row, p, c, found, path, kind, seq, cursor=p if kind == HITS else c, stop=stop)
 
     def _start(self, job: _Job, step: Step, batch_rows: int) -> None:
         """A job's first piece is granted: decide its planting (cold_ok, once, for a new state) and register it."""
         row = job.row
-        plant = job.kind != HITS and row.cacheable and job.p > 0
+        plant = job.path != HIT and row.cacheable and job.p > 0
         if plant and job.start == 0:
             if row.rid in self._declined:  # its state was declined for a row before it: not asked again
                 self._declined.discard(row.rid)
@@ -339,12 +354,12 @@ class Scheduler:
     def _cut(self, job: _Job, left: int, empty: bool) -> Piece | None:
         """The job's next piece within `left` tokens (None: it does not fit this step)."""
         a, n, s = self.layout.align, job.row.n, job.cursor
-        cap = min(left, self.chunk_tokens)
-        if s >= job.stop:  # only the final piece [s, n) is left: it cannot be split
-            if n - s > left and not empty:
-                return None
-            e = n  # (longer than the whole budget: alone in a step of its own)
-        elif n - s <= cap:
+        cap = min(left, self.chunk_tokens, self.max_piece or left)
+        if s >= job.stop:  # the question: pieces as the runner's limits cut it, not split further
+            e = self.question_end(job.row, s)
+            if e - s > left and not empty:
+                return None  # (longer than the whole budget: alone in a step of its own)
+        elif n - s <= cap and self.question_end(job.row, job.stop) == n:
             e = n
         else:
             e = min(s + cap - cap % a, job.stop)
@@ -358,6 +373,21 @@ class Scheduler:
         started = job.row.rid in self._jobs
         return Piece(job.row.rid, s, e, job.restore if job.pieces == 0 else None, started and job.pieces > 0,
                      tuple(plants), e == n)
+
+    def question_end(self, row: Row, s: int) -> int:
+        """Where the question piece starting at s ends: n, or earlier where it holds more than `max_piece` tokens
+        (cut at a multiple of align) or more than `max_slots` slots (cut at the first slot past them)."""
+        e, a = row.n, self.layout.align
+        if self.max_piece is not None and e - s > self.max_piece:
+            e = s + self.max_piece - self.max_piece % a
+        if self.max_slots is not None and row.slots:
+            pos, counts = np.unique(np.asarray(row.slots), return_counts=True)
+            k = int(np.searchsorted(pos, s))
+            within = np.cumsum(counts[k:])
+            over = int(np.searchsorted(within, self.max_slots, side="right"))  # first position that would exceed
+            if over < len(within):
+                e = min(e, int(pos[k + over]))
+        return e
 
     def _take(self, job: _Job, piece: Piece) -> None:
         job.cursor = piece.end
