@@ -82,6 +82,12 @@ class Piece:
     route: int = 0  # specialists: the route its adapter layers run with
     snaps: tuple = ()  # positions in (s, e), multiples of CHUNK from s, where its state is also kept (`snapshot`)
     keep_state: bool = True  # leave its state at e in its slot (False: nobody reads it, e.g. after a question)
+    images: object = None  # an image row's statecache.vision.RowImages (its positions and embeddings), else None
+
+    def has_image(self) -> bool:
+        """Does [s, e) hold image tokens? (Such a piece runs in an eager forward: multimodal positions, the vision
+        tower's embeddings; text pieces of an image row run as text, their positions shifted.)"""
+        return self.images is not None and self.images.has_image(self.s, self.e)
 
 
 class NotBatched(Exception):
@@ -356,13 +362,15 @@ class BatchRunner:
         return _Graph(inp, ids, pos, slots, options.view(Bb * self.max_slots, MAX_OPTIONS), cu, starts, off.view(self.n_attn, Bb, 2), soff.view(self.n_gdn, Bb),
                       keep, *routed, at, rows)
 
-    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens, snap_host=None) -> torch.Tensor:
+    def _forward(self, g: _Graph, Bb: int, Tb: int, lmax: int, kv_tensors: list, lens, snap_host=None,
+                 mm=None) -> torch.Tensor:
         kv = BatchKV(kv_tensors, g.off, self.st.K, self.st.V)
         snaps = None if g.at is None else Snaps(g.at, g.rows, snap_host)
         src = (g.soff, g.keep) if self.bk.triton else None  # eager kernels: the states were copied into the slots
         mix = BatchMixer(self.bk, self.st, Bb, Tb, lmax, g.pos, g.cu, g.starts, kv, lens, snaps, src)
         lora = None if self.spec is None else TokenRoutes(self.spec.lora, self.spec.router, g.rtok)
-        h = self.model.body(g.ids, g.pos, mix, lora)  # [Tb, H]
+        pos, embeds = (g.pos, None) if mm is None else mm
+        h = self.model.body(g.ids, pos, mix, lora, embeds=embeds)  # [Tb, H]
         if lora is not None:  # each sequence's feature sum over its tokens (padding goes to row Bb, dropped)
             sums = torch.zeros(Bb + 1, lora.f.shape[1], device=h.device, dtype=torch.float32)
             self.st.F[:Bb].copy_(sums.index_add_(0, g.seq, lora.f)[:Bb])
@@ -417,8 +425,9 @@ class BatchRunner:
             t += e - s
             cu.append(t)
         buf[:t] = np.concatenate(chunks)
-        # rotary positions s + i of each piece
-        buf[o_pos : o_pos + t] = np.arange(t) + np.repeat([s - c + n for s, c, n in zip(starts, cu, lens)], lens)
+        # rotary positions s + i of each piece (an image row's text: shifted past its images, statecache.vision)
+        first = [s + (pc.images.shift(s) if pc.images is not None else 0) for s, pc in zip(starts, pieces)]
+        buf[o_pos : o_pos + t] = np.arange(t) + np.repeat([f - c + n for f, c, n in zip(first, cu, lens)], lens)
         if slot_at:
             buf[o_slots:o_nopts][slot_at] = slot_x
         opts = buf[o_nopts:o_cu].reshape(Bb * S, MAX_OPTIONS)
@@ -537,14 +546,19 @@ class BatchRunner:
                 raise NotBatched("a piece's GDN states must not be a view of the batch slots")
             lens.append(n)
         B, T, L = len(pieces), sum(lens), max(lens)
-        key = self.ensure(B, T, any(pc.snaps for pc in pieces))
+        images = any(pc.has_image() for pc in pieces)
+        key = self.shape(B, T, any(pc.snaps for pc in pieces)) if images else None
+        if key is None:
+            key = self.ensure(B, T, any(pc.snaps for pc in pieces))
         Bb, Tb, snaps = key
-        if not self.use_graphs:
+        if not self.use_graphs or images:  # eagerly (pieces holding image tokens: their positions and embeddings)
             inp, snap_host = self._pack(pieces, Bb, Tb, snaps)
             self._count(B)
             g = self._views(torch.from_numpy(inp).to(self.device), Bb, Tb, snaps)
+            mm = self._multimodal(pieces, g.pos, Tb) if images else None
             with torch.no_grad():
-                out = self._forward(g, Bb, Tb, L, [(pc.K, pc.V) for pc in pieces], lens + [0] * (Bb - B), snap_host)
+                out = self._forward(g, Bb, Tb, L, [(pc.K, pc.V) for pc in pieces], lens + [0] * (Bb - B), snap_host,
+                                    mm)
         else:  # packed straight into the graph's staging copy
             g = self._graph(key)
             self._send(g, lambda buf: self._pack(pieces, Bb, Tb, snaps, buf))
@@ -552,6 +566,23 @@ class BatchRunner:
             g.graph.replay()
             out = g.out
         return out.view(Bb, self.max_slots, -1)[:B]
+
+    def _multimodal(self, pieces: list[Piece], pos: torch.Tensor, Tb: int):
+        """(positions [3, Tb], (index, embeddings) or None) of a forward holding image tokens: each text piece's
+        positions as packed (equal in the three sections), each image piece's its row's multimodal positions and
+        the vision tower's embeddings at its image tokens (statecache.vision.RowImages.chunk)."""
+        pos3 = pos.expand(3, Tb).clone()
+        idx, vals, t = [], [], 0
+        for pc in pieces:
+            n = pc.e - pc.s
+            if pc.has_image():
+                p3, emb = pc.images.chunk(pc.s, pc.e, n)
+                pos3[:, t : t + n] = p3
+                if emb is not None:
+                    idx.append(emb[0] + t)
+                    vals.append(emb[1])
+            t += n
+        return pos3, ((torch.cat(idx), torch.cat(vals)) if idx else None)
 
     def rows_batched(self, cache, rows, log, found=None) -> list:
         """`rows_batched` (below) with this runner: what StateCache.rows_batched calls (statecache.cache knows this

@@ -47,6 +47,7 @@ class Settings:
     specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; docs/SPECIALISTS.md; default: none)")
     batch: int = _f(64, "STATECACHE_BATCH", "most rows of saved states run in one batched forward (0: one at a time)")
     max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")
+    step_tokens: int = _f(2048, "STATECACHE_STEP_TOKENS", "tokens one engine step runs at most (hits, grown states and new pages' chunks together): larger steps give more rows/s on a busy GPU, smaller ones answer hits sooner")
     # --- the state cache
     cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")
     cache_fraction: float = _f(0.9, "STATECACHE_CACHE_FRACTION", "share of free device memory the cache may take when CACHE_MB is unset")

@@ -21,8 +21,9 @@ tier where there is one), empties the allocator's cache and runs the halves agai
 dropped from the schedule and returned with its error (`out_of_memory` when memory ran out with nothing left to free).
 
 Knows the batched runner, the cache's payload layout and the scheduler; nothing of Redis, the memo or the worker.
-Text rows of the trunk only (of any length up to the runner's longest key span): the engine keeps image rows and
-specialists on its other paths.
+Rows of the trunk only (of any length up to the runner's longest key span), image rows included (known to the cache
+by their key tokens; a piece holding image tokens runs in an eager forward of its own): the engine keeps specialists
+on its other paths.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class _Live:
     V: torch.Tensor | None = None
     snaps: list = field(default_factory=list)  # (pos, conv, S) computed, to plant
     probs: list | None = None  # per slot, filled by the pieces that hold them
+
+
+def _keys(row: dict):
+    """The tokens the cache knows a row's state by: its ids, or an image row's key tokens (statecache.vision)."""
+    return row["mm"].keys if "mm" in row else row["ids"]
 
 
 @dataclass(eq=False)
@@ -160,7 +166,7 @@ class Steps:
     def takes(self, row: dict) -> bool:
         """Can this checked row run here? Text rows inside the runner's longest key span, with at most the slots a
         piece holds at any one position (a question is cut into as many pieces as its length and slots need)."""
-        if "mm" in row or len(row["slots"]) != len(row["options"]) or not len(row["slots"]):
+        if len(row["slots"]) != len(row["options"]) or not len(row["slots"]):
             return False
         n = len(row["ids"])
         if n < 1 or n > self.runner.bk.max_keys:
@@ -177,7 +183,8 @@ class Steps:
         cacheable = self._cacheable(row)
         p = self.cache.state_end(row["state_len"]) if cacheable else 0
         first = min(int(x) for x in row["slots"])
-        srow = Row(rid, row["ids"], row["state_len"], tuple(int(s) for s in row["slots"]), cacheable)
+        keys = _keys(row)  # what the cache and the scheduler know its tokens by
+        srow = Row(rid, keys, row["state_len"], tuple(int(s) for s in row["slots"]), cacheable)
         stop = p if cacheable else first - first % self.cache.s.align
         n = len(row["ids"])
         live = _Live(key, row, p, stop if self.sched.question_end(srow, stop) == n else n)
@@ -185,11 +192,11 @@ class Steps:
         forks: tuple = ()
         found = None
         if cacheable:
-            found = self.view.lookup(row["ids"], p)
+            found = self.view.lookup(keys, p)
             if found is not None:
                 self.cache.index.pin(found)
                 live.pinned = found
-            x = self.cache.fork_point(row["ids"], p, found.pos if found is not None else 0)
+            x = self.cache.fork_point(keys, p, found.pos if found is not None else 0)
             forks = (x,) if x else ()
         self.live[rid] = live
         srow.forks = forks
@@ -323,16 +330,19 @@ class Steps:
             K = V = None
         here = [j for j, x in enumerate(row["slots"]) if s <= x < e]  # the row's slots this piece answers
         return Piece(row["ids"], s, e, conv, S, K, V, tuple(int(row["slots"][j]) for j in here),
-                     tuple(row["options"][j] for j in here), 0, inside, keep_state=not pc.answer)
+                     tuple(row["options"][j] for j in here), 0, inside, keep_state=not pc.answer, images=row.get("mm"))
 
     def _run(self, items: list, reads: list) -> list[tuple[int, RowFailed]]:
         """Every piece through packed forwards (split at the runner's limits), isolating failures; returns the rows
         that failed. reads: gets (items, wait for their answers) for each forward that answers slots."""
         r = self.runner
         groups, cur, tokens, snaps = [], [], 0, 0
+        # pieces holding image tokens run eagerly (statecache.batch): in forwards of their own, after the others
+        items = [it for it in items if not it[0].has_image()] + [it for it in items if it[0].has_image()]
         for it in items:
             n, k = it[0].e - it[0].s, len(it[0].snaps)
-            if cur and (len(cur) == r.max_batch or tokens + n > r.max_tokens or snaps + k > r.max_snaps):
+            if cur and (len(cur) == r.max_batch or tokens + n > r.max_tokens or snaps + k > r.max_snaps
+                        or it[0].has_image() != cur[-1][0].has_image()):
                 groups.append(cur)
                 cur, tokens, snaps = [], 0, 0
             cur.append(it)
@@ -440,7 +450,7 @@ class Steps:
         if K.shape[1] > live.p:  # the buffer also holds the question's K/V (a question of several pieces): not kept
             K, V = K[:, : live.p].clone(), V[:, : live.p].clone()
         try:
-            self.cache._plant(live.row["ids"], live.p, [(pos, conv, S, None) for pos, conv, S in snaps], 0, (K, V))
+            self.cache._plant(_keys(live.row), live.p, [(pos, conv, S, None) for pos, conv, S in snaps], 0, (K, V))
         except Exception:  # noqa: BLE001 - the answers stand; only the planting is lost
             log.exception("planting a step's checkpoints failed")
         live.snaps = []

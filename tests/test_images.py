@@ -186,6 +186,9 @@ def test_cached_hit_grown_state_and_a_different_image(make, ref):
     assert res["path"] in ("cold", "partial") and res["reused"] <= row_d["images"][0].start
     check(eng, ref, [d], [res])
     assert eng.embeddings.stats["vision_runs"] == runs + 1
+    # every row through the step loop (a piece holding image tokens in an eager forward of its own)
+    assert eng.phases["step_rows"] == 4 and eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0
+    assert eng.phases["batched_rows"] == eng.phases["graph_rows"] == 0
 
 
 def test_cached_images_in_state_and_question(make, ref):
