@@ -12,12 +12,12 @@ whose state another row is computing waits for it. Whether a new state is plante
 
 Rows with images (checkpoints with a vision tower: statecache.images, statecache.vision) go through the step loop too:
 their memo and group keys include each image's content hash, the index knows their states by key tokens, and a piece
-holding image tokens runs in an eager forward of its own. Rows the step loop does not take run at submission through
-the paths that came before it (`_run`): specialists (`specialists=`: every result then
-names its `route`; new states plant through the cache's chunked path with a route and the router's feature sum, rows
-of saved states run batched with their checkpoint's route), rows a step gave back (`retry`), and every row when
-there is no batched runner (`batch=0`). Start-up warms and captures these paths only where specialists can come
-(`others_warm`). There: rows of saved states through one batched
+holding image tokens runs in an eager forward of its own. So do rows with specialists (`specialists=`: every result
+then names its `route`): each runs with a route, guessed until its router has spoken over the whole row, and one the
+router disagrees with runs again with the router's route (statecache.step). Rows the step loop does not take run at
+submission through the paths that came before it (`_run`): rows a step gave back (`retry`), and every row when there
+is no batched runner (`batch=0`), or no step loop (a cache aligned off the 64-token chunks); start-up warms and
+captures these paths only in the last two cases (`others_warm`). There: rows of saved states through one batched
 call (StateCache.rows_batched), new states through the plain path's forwards (statecache.plain, statecache.plant),
 what those leave one row at a time through the state cache; the checkpoints they restore are pinned meanwhile.
 
@@ -135,13 +135,12 @@ class Engine:
         from .images import ImageSupport
 
         self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
-        # the step loop (statecache.step) runs every row of the trunk, image rows included, where the batched runner
-        # runs (its snapshots sit on its 64-token chunks, so the cache's checkpoints must too). The engine's other
-        # paths (the chunk runner, statecache.plain and its planting graphs) serve what it does not take: specialists,
-        # and rows a step gave back (`retry`). Start-up captures and warms them only where specialists can come (or
-        # there is no step loop); else they capture on first use, and the largest forward the device must leave room
-        # for is the step's.
-        step_loop = self.cache.batch is not None and self.specialists is None and self.cache.s.align % CHUNK == 0
+        # the step loop (statecache.step) runs every row, image rows and specialists included, where the batched
+        # runner runs (its snapshots sit on its 64-token chunks, so the cache's checkpoints must too). The engine's
+        # other paths (the chunk runner, statecache.plain and its planting graphs) then serve only rows a step gave
+        # back (`retry`): start-up captures and warms them only where there is no step loop; else they capture on
+        # first use, and the largest forward the device must leave room for is the step's.
+        step_loop = self.cache.batch is not None and self.cache.s.align % CHUNK == 0
         self.others_warm = not step_loop
         self.precapture_info = None
         if precapture and self.runner.use_graphs:
@@ -304,8 +303,8 @@ class Engine:
 
     def submit(self, rows: list, tags: list, waiting_rows: int = 0) -> list[tuple]:
         """Rows in, each with its caller's tag -> (tag, result) for the rows answered at once: bad rows (their
-        error), memo answers and the rows the step loop does not take (specialists: run now through the engine's
-        other paths). The others join the schedule; `step` answers
+        error), memo answers and the rows the step loop does not take (without a step loop: run now through the
+        engine's other paths). The others join the schedule; `step` answers
         them. A row equal to one already scheduled is answered with it (path "memo")."""
         if len(tags) != len(rows):
             raise ValueError(f"{len(tags)} tags for {len(rows)} rows")

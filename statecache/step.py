@@ -21,9 +21,14 @@ tier where there is one), empties the allocator's cache and runs the halves agai
 dropped from the schedule and returned with its error (`out_of_memory` when memory ran out with nothing left to free).
 
 Knows the batched runner, the cache's payload layout and the scheduler; nothing of Redis, the memo or the worker.
-Rows of the trunk only (of any length up to the runner's longest key span), image rows included (known to the cache
-by their key tokens; a piece holding image tokens runs in an eager forward of its own): the engine keeps specialists
-on its other paths.
+Rows of any length up to the runner's longest key span, image rows included (known to the cache by their key tokens;
+a piece holding image tokens runs in an eager forward of its own). With specialists each row runs with a route: the
+route of the checkpoint it restores, else the last answered row's (StateCache.guess); its pieces add up the router's
+feature sum (from the restored checkpoint's), its checkpoints are planted under its route with the sum at their
+position, and when its last piece has run the router picks the route over the whole row: a row it disagrees with
+(a misprediction) is scheduled again with the router's route, from that route's deepest checkpoint (the first run's
+checkpoints stay: they are that route's states), and answered from the second run. The runner keeps no state inside
+a piece then (the sum is needed there too), so the scheduler ends each piece at its first checkpoint.
 """
 
 from __future__ import annotations
@@ -70,8 +75,11 @@ class _Live:
     S: torch.Tensor | None = None
     K: torch.Tensor | None = None  # its own K/V of [0, cap) (rows of more than one piece, or that plant)
     V: torch.Tensor | None = None
-    snaps: list = field(default_factory=list)  # (pos, conv, S) computed, to plant
+    snaps: list = field(default_factory=list)  # (pos, conv, S, feature sum or None) computed, to plant
     probs: list | None = None  # per slot, filled by the pieces that hold them
+    route: int = 0  # specialists: the route it runs with (a guess until its router has spoken)
+    fsum: torch.Tensor | None = None  # specialists: the router's feature sum over [0, next piece's start)
+    earlier: int = 0  # specialists: tokens computed by runs the router disagreed with (a misprediction's)
 
 
 def _keys(row: dict):
@@ -114,18 +122,18 @@ class CacheView:
     def version(self) -> int:
         return self.index.version
 
-    def lookup(self, ids, limit: int):
-        c = self.index.lookup(ids, limit)
+    def lookup(self, ids, limit: int, route: int | None = None):
+        c = self.index.lookup(ids, limit, route)
         if c is not None and c.tier != DEVICE:
             need = c.nbytes + (c.group.nbytes if c.group.tier != DEVICE else 0)
             if need > self.index.budget_bytes:  # it could never come back: the deepest device checkpoint instead
-                c = self.index.lookup(ids, limit, host=False)
+                c = self.index.lookup(ids, limit, route, host=False)
         return c
 
     def touch(self, found) -> None:
         self.index.touch(found)
 
-    def planted(self, state, ids, p: int, positions, last: bool) -> None:
+    def planted(self, state, ids, p: int, positions, last: bool, route: int | None = None) -> None:
         self._on_planted(state, positions, last)
 
     def state_bytes(self, state_len: int) -> int:
@@ -135,9 +143,9 @@ class CacheView:
 class Steps:
     def __init__(self, cache: StateCache, runner, cold_ok=None, *, budget_tokens: int = BUDGET_TOKENS,
                  chunk_tokens: int = CHUNK_TOKENS):
-        if runner.spec is not None:
-            raise ValueError("the step loop runs the trunk only (specialists take the engine's other paths)")
         self.cache, self.runner = cache, runner
+        self.spec = runner.spec  # specialists: each row runs with a route (see `add` and `_finish`)
+        snapshots = runner.max_snaps > 0  # (none with specialists: their checkpoints need the feature sum there too)
         a = cache.s.align
         chunk = min(chunk_tokens, runner.max_piece)
         chunk -= chunk % a
@@ -145,13 +153,14 @@ class Steps:
         self.view = CacheView(cache, self._planted)
         self.sched = Scheduler(self.view, Layout(cache.s.stride, cache.s.tail, a), budget_tokens=budget,
                                chunk_tokens=chunk, max_seqs=runner.max_batch, cold_ok=cold_ok,
-                               max_plants_piece=SNAPS_PER_PIECE, max_piece=runner.max_piece,
-                               max_slots=runner.max_slots)
+                               max_plants_piece=SNAPS_PER_PIECE if snapshots else 1, max_piece=runner.max_piece,
+                               max_slots=runner.max_slots, snapshots=snapshots)
         self.live: dict[int, _Live] = {}
         self._rid = 0
         st = runner.st
         self._zero_conv = torch.zeros_like(st.conv[:, 0])
         self._zero_S = torch.zeros_like(st.S[:, 0])
+        self._zero_F = torch.zeros_like(st.F[0]) if st.F is not None else None
         self._planting: dict[int, list] = {}  # rid -> positions planted so far (deferred to the last one)
         self.stats = {"steps": 0, "forwards": 0, "pieces": 0, "tokens": 0, "oom_relieved": 0, "oom_failed": 0,
                       "failed": 0}
@@ -176,8 +185,10 @@ class Steps:
     def _cacheable(self, row: dict) -> bool:
         return self.cache.s.mb > 0 and self.cache.eligible(row["ids"], row["state_len"], row["slots"])
 
-    def add(self, key, row: dict) -> int:
-        """Schedule a checked row (`takes` it); returns its id in this schedule."""
+    def add(self, key, row: dict, route: int | None = None, earlier: int = 0) -> int:
+        """Schedule a checked row (`takes` it); returns its id in this schedule. Specialists: it runs with `route`
+        when given (its router has spoken), else with a guess: the route of its deepest checkpoint, else the last
+        answered row's (StateCache.guess); earlier: tokens a run with another route computed for it."""
         self._rid += 1
         rid = self._rid
         cacheable = self._cacheable(row)
@@ -185,6 +196,7 @@ class Steps:
         first = min(int(x) for x in row["slots"])
         keys = _keys(row)  # what the cache and the scheduler know its tokens by
         srow = Row(rid, keys, row["state_len"], tuple(int(s) for s in row["slots"]), cacheable)
+        spec = self.spec is not None
         stop = p if cacheable else first - first % self.cache.s.align
         n = len(row["ids"])
         live = _Live(key, row, p, stop if self.sched.question_end(srow, stop) == n else n)
@@ -193,11 +205,19 @@ class Steps:
         found = None
         if cacheable:
             found = self.view.lookup(keys, p)
+            if spec:
+                live.route = self.cache.guess(found) if route is None else route
+                if found is not None and found.route != live.route:
+                    found = self.view.lookup(keys, p, live.route)
             if found is not None:
                 self.cache.index.pin(found)
                 live.pinned = found
             x = self.cache.fork_point(keys, p, found.pos if found is not None else 0)
             forks = (x,) if x else ()
+        if spec:
+            if not cacheable:
+                live.route = self.cache.last_route if route is None else route
+            srow.route, live.earlier = live.route, earlier
         self.live[rid] = live
         srow.forks = forks
         self.sched.add(srow, found)
@@ -259,14 +279,22 @@ class Steps:
         for fin in self.sched.done(flight.step):
             live = self.live.pop(fin.row.rid)
             self._end(fin.row.rid, live)
+            route = None
+            if self.spec is not None:  # the router over the whole row; a run with another route is not answered
+                route = self.spec.router.pick(live.fsum, len(live.row["ids"]))
+                if route != live.route:
+                    self.cache.stats["mispredict"] += 1
+                    self.add(live.key, live.row, route, live.earlier + fin.computed)
+                    continue
+                self.cache.last_route = route
             if fin.path != "plain":  # the cache's rows (the engine counts plain ones)
                 st = self.cache.stats
                 st["rows"] += 1
                 st["batched"] = st.get("batched", 0) + 1
                 st["hits" if fin.path == "hit" else fin.path] += 1
                 st["tokens_reused"] += fin.reused
-                st["tokens_computed"] += fin.computed
-            out.append((live.key, Answer(live.probs, fin.path, fin.reused, fin.computed)))
+                st["tokens_computed"] += fin.computed + live.earlier
+            out.append((live.key, Answer(live.probs, fin.path, fin.reused, fin.computed + live.earlier, route)))
         self._unpin(flight)
         t2 = time.perf_counter()
         sec["done"] += t2 - t1
@@ -311,6 +339,8 @@ class Steps:
         """The runner's piece for scheduler piece `pc` of row `live`; allocates the row's K/V buffer of [0, cap) at
         its first piece when it has more pieces to come or plants."""
         row, s, e = live.row, pc.start, pc.end
+        if self.spec is not None and live.fsum is None:  # the router's feature sum from the restored position
+            live.fsum = pc.restore.payload[2] if pc.restore is not None else self._zero_F
         if pc.restore is not None:
             conv, S = pc.restore.payload[:2]
             K, V = pc.restore.group.payload[:2]
@@ -330,7 +360,8 @@ class Steps:
             K = V = None
         here = [j for j, x in enumerate(row["slots"]) if s <= x < e]  # the row's slots this piece answers
         return Piece(row["ids"], s, e, conv, S, K, V, tuple(int(row["slots"][j]) for j in here),
-                     tuple(row["options"][j] for j in here), 0, inside, keep_state=not pc.answer, images=row.get("mm"))
+                     tuple(row["options"][j] for j in here), live.route, inside, keep_state=not pc.answer,
+                     images=row.get("mm"))
 
     def _run(self, items: list, reads: list) -> list[tuple[int, RowFailed]]:
         """Every piece through packed forwards (split at the runner's limits), isolating failures; returns the rows
@@ -426,11 +457,13 @@ class Steps:
                     live.K[:, s:upto].copy_(Kc[:, : upto - s])
                     live.V[:, s:upto].copy_(Vc[:, : upto - s])
             for pos, (conv, S) in zip(bp.snaps, r.snapshot(pieces, b)) if bp.snaps else ():
-                live.snaps.append((pos, conv.clone(), S.clone()))
+                live.snaps.append((pos, conv.clone(), S.clone(), None))
+            if self.spec is not None:  # a new tensor each piece: a planted checkpoint may keep the running sum itself
+                live.fsum = live.fsum + r.st.F[b]
             if not pc.answer:
                 live.conv, live.S = r.st.conv[:, b].clone(), r.st.S[:, b].clone()
                 if e in pc.plants:
-                    live.snaps.append((e, live.conv, live.S))
+                    live.snaps.append((e, live.conv, live.S, live.fsum))
         self.seconds["keep"] += time.perf_counter() - t0
 
     # ---- planting and ends ---------------------------------------------------------------------------------------
@@ -442,7 +475,7 @@ class Steps:
         live = self.live.get(rid)
         if live is None or live.K is None:
             return
-        snaps = sorted((s for s in live.snaps if s[0] <= live.p), key=lambda s: s[0])
+        snaps = sorted((s for s in live.snaps if s[0] <= live.p), key=lambda s: s[0])  # (pos, conv, S, fsum)
         if not snaps or snaps[-1][0] != live.p:
             return
         t0 = time.perf_counter()
@@ -450,7 +483,7 @@ class Steps:
         if K.shape[1] > live.p:  # the buffer also holds the question's K/V (a question of several pieces): not kept
             K, V = K[:, : live.p].clone(), V[:, : live.p].clone()
         try:
-            self.cache._plant(_keys(live.row), live.p, [(pos, conv, S, None) for pos, conv, S in snaps], 0, (K, V))
+            self.cache._plant(_keys(live.row), live.p, snaps, live.route, (K, V))
         except Exception:  # noqa: BLE001 - the answers stand; only the planting is lost
             log.exception("planting a step's checkpoints failed")
         live.snaps = []

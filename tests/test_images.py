@@ -465,6 +465,7 @@ def test_image_rows_with_specialists(make, model_dir, vl_specialists):
     assert got[-1]["path"] == "partial" and got[-1]["reused"] > img_end  # a grown state, restored past the image
     assert eng.cache.stats["mispredict"] >= 2
     assert eng.embeddings.stats["vision_runs"] == 2
+    assert eng.phases["step_rows"] == len(rows) and eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0
     for c in eng.cache.index.lru_order():  # a checkpoint's feature sum, under its image key tokens
         assert c.payload[2].shape == (eng.model.cfg.hidden_size,)
 

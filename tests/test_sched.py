@@ -164,16 +164,18 @@ layouts = st.sampled_from([Layout(2048, 16, 64), Layout(256, 16, 64), Layout(128
 @given(seed=st.integers(0, 10**6), count=st.integers(1, 24), layout=layouts, budget=st.integers(64, 3000),
        chunk=st.integers(64, 2048), max_seqs=st.integers(1, 12), depth=st.integers(1, 3),
        short=st.one_of(st.none(), st.integers(0, 600)), spread=st.integers(0, 30),
-       plants_piece=st.one_of(st.none(), st.integers(1, 3)))
+       plants_piece=st.one_of(st.none(), st.integers(1, 3)), snapshots=st.booleans())
 def test_every_row_answered_in_budget_with_the_engines_checkpoints(seed, count, layout, budget, chunk, max_seqs, depth,
-                                                                   short, spread, plants_piece):
+                                                                   short, spread, plants_piece, snapshots):
     rows = make_rows(seed, count, layout.align)
     rng = random.Random(seed + 1)
     arrivals = [rng.randint(0, spread) for _ in rows]
     sched = Scheduler(view_for(layout), layout, budget_tokens=budget, chunk_tokens=chunk, max_seqs=max_seqs,
-                      short_tokens=short, max_plants_piece=plants_piece)
+                      short_tokens=short, max_plants_piece=plants_piece, snapshots=snapshots)
     d = Driver(sched, rows, arrivals, depth).run(check_budget(sched))
     check_rows(d, layout, sched)
+    if not snapshots:  # a runner that keeps no state inside a piece: every checkpoint at a piece's end
+        assert all(pc.plants in ((), (pc.end,)) for s in d.steps for pc in s.pieces)
     if plants_piece is not None:
         assert all(len(pc.plants) <= plants_piece for s in d.steps for pc in s.pieces)
     # no state computed twice: every (position, tokens) planted once (nothing is evicted here)
@@ -206,6 +208,23 @@ def test_long_questions_and_many_slots_are_cut_at_the_runners_limits(seed, count
                       max_piece=max_piece, max_slots=max_slots)
     d = Driver(sched, rows, arrivals, depth).run(check_budget(sched))
     check_rows(d, layout, sched)
+
+
+def test_rows_of_one_state_on_other_routes_do_not_wait_for_each_other():
+    """Specialists: a row waits for a computation of its state only on its own route (another route's checkpoints
+    would not serve it); rows of the same route wait and hit."""
+    layout = Layout(2048, 16, 64)
+    view = view_for(layout)
+    sched = Scheduler(view, layout, budget_tokens=4096, chunk_tokens=512)
+    state = list(range(1, 1201))
+    rows = [Row(0, state + [5000], 1200, route=1), Row(1, state + [5001], 1200, route=2),
+            Row(2, state + [5002], 1200, route=1)]
+    d = Driver(sched, rows, [0, 0, 0], 1).run()
+    paths = {rid: f.path for rid, f in d.finished.items()}
+    assert paths == {0: COLD, 1: COLD, 2: HIT}
+    assert d.first_step[1] == d.first_step[0] < d.first_step[2]
+    hit = d.pieces[2][0][1].restore
+    assert hit.route == 1 and hit.pos == state_end(1200, 64)
 
 
 def test_a_position_with_more_slots_than_a_piece_takes_is_refused():

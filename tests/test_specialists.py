@@ -621,13 +621,14 @@ def test_engine_and_score_report_routes(monkeypatch, capsys):
         assert out["route"] == names[want_r] and max_abs_diff(out["probs"], want) <= TOL
     assert [x["path"] for x in res] == ["cold", "hit", "hit", "hit", "plain"]
     assert eng.answer(rows[:1])[0]["route"] == res[0]["route"]  # the memo keeps the route
-    # the state's later rows continue from it in one batched call, each with its checkpoint's route
+    # the state's later rows continue from it in the step loop's packed forwards, each with its checkpoint's route
     more = [{"ids": S + toks(12 + k, 70 + k), "state_len": 300, "slots": [311 + k], "nopts": [3]} for k in range(3)]
-    batched = eng.phases["batched_rows"]
+    stepped = eng.phases["step_rows"]
     for r, out in zip(more, eng.answer(more)):
         want_r, want = ref.answers(r["ids"], r["slots"], r["nopts"])
         assert out["route"] == names[want_r] and max_abs_diff(out["probs"], want) <= TOL
-    assert eng.phases["batched_rows"] - batched == 3
+    assert eng.phases["step_rows"] - stepped == 3
+    assert eng.phases["batched_rows"] == eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0
     assert "mispredict" in eng.stats() and eng.stats()["specialists"]["routes"] == names
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(json.dumps(r) for r in rows[:2]) + "\n"))
     assert main(["score", "--device", "cpu", "--dtype", "float32", "--specialists", str(sd)]) == 0

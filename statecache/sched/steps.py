@@ -19,7 +19,10 @@ state), with one stated exception: a question piece (cut only by the rule above)
 alone in a step of its own.
 
 A computation plants the checkpoints the engine's rule gives (`Layout.positions`: p, p - tail, the multiples of
-stride below p, aligned, deeper than where it restored) in the piece whose range (start, end] holds each one. A new
+stride below p, aligned, deeper than where it restored) in the piece whose range (start, end] holds each one (with
+`snapshots` False, where a runner cannot keep states inside a piece, each piece ends at the first one it reaches).
+A row may name a route (specialists): it restores only that route's checkpoints and waits only for a computation
+of the same route. A new
 state (nothing restored) asks the `cold_ok` policy (statecache.policy, the one place that decides) once, when its
 first piece is granted; declined, it plants nothing, and the rows waiting with the same state are not asked about
 again (they run as it does). A row answers when its last piece has run (`done`).
@@ -60,6 +63,7 @@ class Row:
     slots: Sequence[int] = ()
     cacheable: bool = True
     forks: tuple = ()  # positions below p where its tokens leave a cached state's (statecache.cache.fork_point): planted
+    route: int | None = None  # specialists: the route it runs with (it restores and plants that route's checkpoints)
 
     @property
     def n(self) -> int:
@@ -140,7 +144,7 @@ class Scheduler:
     def __init__(self, view: CacheView, layout: Layout | None = None, *, budget_tokens: int = 2048,
                  chunk_tokens: int = 1024, max_seqs: int = 64, short_tokens: int | None = None,
                  cold_ok: ColdPolicy | None = None, max_plants_piece: int | None = None,
-                 max_piece: int | None = None, max_slots: int | None = None):
+                 max_piece: int | None = None, max_slots: int | None = None, snapshots: bool = True):
         self.view = view
         self.layout = layout or Layout.from_settings()
         a = self.layout.align
@@ -151,6 +155,7 @@ class Scheduler:
         if max_piece is not None and max_piece < a or max_slots is not None and max_slots < 1:
             raise ValueError(f"max_piece must be >= align ({a}) and max_slots >= 1 (or None)")
         self.max_piece, self.max_slots = max_piece, max_slots
+        self.snapshots = snapshots  # False: a piece plants only at its end (it is cut at its first checkpoint)
         self.budget_tokens, self.chunk_tokens, self.max_seqs = int(budget_tokens), int(chunk_tokens), int(max_seqs)
         self.short_tokens = self.chunk_tokens if short_tokens is None else int(short_tokens)
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
@@ -247,7 +252,7 @@ class Scheduler:
             if pc.plants:
                 for pos in pc.plants:
                     job.unplanted.remove(pos)
-                self.view.planted(pc.rid, job.row.ids, job.p, pc.plants, last=not job.unplanted)
+                self.view.planted(pc.rid, job.row.ids, job.p, pc.plants, last=not job.unplanted, route=job.row.route)
                 if not job.unplanted:
                     self._planting.pop(pc.rid, None)
             if pc.answer:
@@ -301,7 +306,7 @@ class Scheduler:
         v = self.view.version
         got = self._lookups.get(row.rid)
         if got is None or got[0] != v:
-            got = (v, self.view.lookup(row.ids, p))
+            got = (v, self.view.lookup(row.ids, p) if row.route is None else self.view.lookup(row.ids, p, row.route))
             self._lookups[row.rid] = got
         found = got[1]
         return found, (found.pos if found is not None else 0), p
@@ -311,6 +316,8 @@ class Scheduler:
         if not row.cacheable or p == 0:
             return False
         for job in self._planting.values():
+            if job.row.route != row.route:  # another route's checkpoints would not serve it
+                continue
             for pos in reversed(job.unplanted):
                 if c < pos <= p and _same(row.ids, job.row.ids, pos):
                     return True
@@ -366,6 +373,8 @@ class Scheduler:
             if e <= s:
                 return None
         plants = [pos for pos in job.todo if s < pos <= e]
+        if not self.snapshots and plants and plants[0] < e:
+            e, plants = plants[0], plants[:1]
         k = self.max_plants_piece
         if k is not None and len(plants) > k:
             plants = plants[:k]

@@ -33,13 +33,15 @@ class CacheView(Protocol):
     def version(self) -> int:
         """Changes whenever a lookup's answer can change (a lookup may be kept while it is unchanged)."""
 
-    def lookup(self, ids: Sequence[int], limit: int) -> Found | None: ...
+    def lookup(self, ids: Sequence[int], limit: int, route: int | None = None) -> Found | None:
+        """route: only that route's checkpoints (specialists); the scheduler passes it only for rows that name one."""
 
     def touch(self, found: Found) -> None: ...
 
-    def planted(self, state: Hashable, ids: Sequence[int], p: int, positions: Sequence[int], last: bool) -> None:
+    def planted(self, state: Hashable, ids: Sequence[int], p: int, positions: Sequence[int], last: bool,
+                route: int | None = None) -> None:
         """Checkpoints at `positions` of the state `ids[:p]` that `state` (a row id) is computing now exist; `last`:
-        its final ones (no more will come for this state)."""
+        its final ones (no more will come for this state); `route`: the route it runs with (specialists)."""
 
     def state_bytes(self, state_len: int) -> int: ...
 
@@ -68,19 +70,19 @@ class IndexView:
     def version(self) -> int:
         return self.index.version
 
-    def lookup(self, ids, limit: int):
-        return self.index.lookup(ids, limit)
+    def lookup(self, ids, limit: int, route: int | None = None):
+        return self.index.lookup(ids, limit, route)
 
     def touch(self, found) -> None:
         self.index.touch(found)
 
-    def planted(self, state, ids, p: int, positions, last: bool) -> None:
+    def planted(self, state, ids, p: int, positions, last: bool, route: int | None = None) -> None:
         group = self._open.get(state)
         if group is None or group not in self.index._groups:  # new, or evicted whole while it was still planting
             group = self.index.add_group(list(ids[:p]), None, p * self.kv_bytes_per_token)
             self._open[state] = group
         for pos in positions:
-            self.index.add_checkpoint(group, pos, None, self.ckpt_bytes)
+            self.index.add_checkpoint(group, pos, None, self.ckpt_bytes, route=route or 0)
         if last:
             self._open.pop(state, None)
         self.evicted += len(self.index.evict())
