@@ -163,9 +163,12 @@ class Agents:
         self._next(row.agent, t + self.rtt_s / 2)
 
 
-def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chunk: int) -> dict:
+def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chunk: int,
+              max_piece: int | None = None, pipelined: bool = False) -> dict:
     layout = Layout.from_settings()
-    sched = Scheduler(make_view(layout), layout, budget_tokens=budget, chunk_tokens=chunk)
+    sched = Scheduler(make_view(layout), layout, budget_tokens=budget, chunk_tokens=chunk, max_piece=max_piece)
+    if pipelined:
+        return _run_pipelined(agents, model, seconds, sched)
     rows = {}
     t, busy, steps = 0.0, 0.0, 0
     while t < seconds:
@@ -183,6 +186,38 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
         steps += 1
         for f in sched.done(step):
             agents.answer(rows.pop(f.row.rid), t, f.path, f.reused)
+    return {"steps": steps, "busy_s": busy, "end_s": t, "tokens_per_step": sched.stats["tokens"] / max(1, steps)}
+
+
+def _run_pipelined(agents: Agents, model: CostModel, seconds: float, sched: Scheduler) -> dict:
+    """statecache.step's loop: the next step is planned (from the rows arrived by then) as soon as this one is
+    launched, and runs right after it; a step's rows are answered when it ends. So a row arriving while a step runs
+    joins the step after the next one."""
+    rows: dict = {}
+    t, busy, steps = 0.0, 0.0, 0
+
+    def take(now: float) -> None:
+        for r in agents.due(now):
+            rows[r.rid] = r
+            sched.add(r)
+
+    take(t)
+    cur = sched.plan()
+    while t < seconds:
+        if not cur.pieces:
+            t = max(t, agents.next_arrival())
+            take(t)
+            cur = sched.plan()
+            continue
+        take(t)
+        nxt = sched.plan()  # planned while cur runs, before its `done`
+        ms = model.step_ms([(pc.start, pc.tokens) for pc in cur.pieces])
+        t += ms / 1e3
+        busy += ms / 1e3
+        steps += 1
+        for f in sched.done(cur):
+            agents.answer(rows.pop(f.row.rid), t, f.path, f.reused)
+        cur = nxt
     return {"steps": steps, "busy_s": busy, "end_s": t, "tokens_per_step": sched.stats["tokens"] / max(1, steps)}
 
 
@@ -305,6 +340,12 @@ def main(argv=None) -> int:
     ap.add_argument("--step-turn-ms", type=float, default=None,
                     help="the same for a step of the scheduler (default: --turn-ms; 0: a step loop that prepares the "
                          "next step while the GPU runs this one)")
+    ap.add_argument("--max-piece", type=int, default=None,
+                    help="the most tokens one row advances in a step (the batched runner's longest piece: 512)")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="steps as statecache.step runs them: the next planned while this one runs (use with "
+                         "--step-turn-ms 0)")
+    ap.add_argument("--policies", default="today,steps", help="which of today,steps to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -320,8 +361,10 @@ def main(argv=None) -> int:
     for src, k, t, ms, pred, err in errors:
         print(f"| {src} | {k} | {t} | {ms:.2f} | {pred:.2f} | {err:+.1f}% |")
     out = {"fit": {"coef": model.coef, "host": model.hcoef, "points": errors}, "runs": []}
-    configs = [("today", None, None)] + [("steps", B, C) for B in map(int, args.budgets.split(","))
-                                         for C in map(int, args.chunks.split(",")) if C <= B]
+    policies = args.policies.split(",")
+    configs = [("today", None, None)] * ("today" in policies) + [
+        ("steps", B, C) for B in map(int, args.budgets.split(",")) for C in map(int, args.chunks.split(","))
+        if C <= B and "steps" in policies]
     print("\n| agents | policy | budget | chunk | rows/s | p50 ms | p99 ms | hit p50 / p99 | partial p50 / p99 | "
           "cold p50 / p99 | reused | GPU busy |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
           "| ---: | ---: |")
@@ -331,7 +374,7 @@ def main(argv=None) -> int:
             agents = Agents(n, args.seed + n, args.rtt_ms / 1e3)
             model.turn_ms = args.turn_ms if policy == "today" else args.step_turn_ms
             info = run_today(agents, model, args.seconds) if policy == "today" else \
-                run_steps(agents, model, args.seconds, B, C)
+                run_steps(agents, model, args.seconds, B, C, args.max_piece, args.pipelined)
             s = summary(agents, args.warmup_s, args.seconds, info["busy_s"], info["end_s"])
             s.update(agents=n, policy=policy, budget=B, chunk=C, sim_s=round(time.perf_counter() - t0, 1),
                      turn_ms=model.turn_ms)

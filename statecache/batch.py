@@ -301,6 +301,12 @@ class BatchRunner:
         self.bk.max_keys = max_pos
         if self.use_graphs and not self.bk.triton:
             raise ValueError("batch graphs need the Triton batch kernels (the eager ones read host lengths)")
+        if self.bk.triton and self.device.type == "cuda":
+            from .gdn_triton import WIDE_KEYS
+
+            if model.cfg.linear_key_head_dim < WIDE_KEYS:  # its 64-token blocks would be refused at every capture
+                raise ValueError(f"the batched delta kernel needs GDN keys of at least {WIDE_KEYS} dims on CUDA; "
+                                 f"this model's are {model.cfg.linear_key_head_dim}")
         self.max_slots, self.max_piece = max_slots, max_piece
         self.batches = tuple(b for b in batches if b <= max_batch)
         self.max_batch = self.batches[-1]

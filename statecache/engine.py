@@ -275,6 +275,9 @@ class Engine:
             return BatchRunner(self.model, self.kernels, max_slots=self.runner.max_slots, max_batch=max_batch,
                                max_pos=max_pos, pool=self.runner.pool, graphs=self.runner.use_graphs,
                                specialists=self.specialists)
+        except ValueError as e:  # a model or device it cannot serve: the engine's other paths serve every row
+            log.warning("no step loop: %s; every row takes the engine's other paths", e)
+            return None
         except Exception:  # noqa: BLE001 - rows then run one at a time
             log.exception("no batched continuations")
             return None

@@ -1,8 +1,8 @@
 """The built-in tiny model: a small random Qwen3.5 checkpoint in the real Hugging Face layout, with its own tokenizer.
 
 It lets the worker, the demo and the tests run anywhere in seconds. Its weights are random, so its answers mean
-nothing; only their agreement with the reference does. Made once into ``$STATECACHE_HOME/tiny-v2`` (default
-``~/.cache/statecache/tiny-v2``): built in a temporary folder beside it, then renamed into place, so a reader
+nothing; only their agreement with the reference does. Made once into ``$STATECACHE_HOME/tiny-v3`` (default
+``~/.cache/statecache/tiny-v3``): built in a temporary folder beside it, then renamed into place, so a reader
 never sees half a model and two processes racing to make it both end up with one whole copy.
 
 ``tiny_vl_model_dir()`` is the same model in the released multimodal layout (``Qwen3_5ForConditionalGeneration``) with
@@ -23,8 +23,10 @@ from pathlib import Path
 
 from .checkpoints import make_checkpoint
 
-NAME = "tiny-v2"  # v2: " A".." Z" are single tokens (text rows' answer slots read them after the cue)
-VL_NAME = "tiny-vl-v2"
+NAME = "tiny-v3"  # v2: " A".." Z" are single tokens (text rows' answer slots read them after the cue); v3: GDN keys
+# of 64 dims (the batched delta kernel's 64-token blocks need key slices of 64 on CUDA: the GPU suite runs the step
+# loop on this model)
+VL_NAME = "tiny-vl-v3"
 IMAGE_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]  # as in the released Qwen3.5 tokenizers
 # the tiny vision tower: 2-pixel patches merged 2x2, so an image of up to 32x32 pixels is at most 64 tokens
 VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2, temporal_patch_size=2,
@@ -38,7 +40,7 @@ VOCAB_SIZE = 512
 # with partial rotary 0.25 rotates 8 dims (4 frequencies), split over the three M-RoPE sections as in the real
 # model's [11, 11, 10] of 32.
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
              linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
              max_position_embeddings=32768,
              rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,

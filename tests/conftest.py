@@ -57,3 +57,23 @@ def plain_tokenizer():
     from tests.fakes import build_tokenizer
 
     return build_tokenizer(chat_template=None)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--instafail", action="store_true",
+                     help="print each failure's traceback as soon as the test fails (device calls that a time limit "
+                          "may cut short keep what they found: scripts/gpu_session.sh passes it)")
+
+
+def pytest_runtest_logreport(report):
+    """With --instafail: a failing test's report to stderr the moment it fails, not only in the final summary."""
+    if _INSTAFAIL[0] and report.failed:
+        sys.stderr.write(f"\n==== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        sys.stderr.flush()
+
+
+_INSTAFAIL = [False]
+
+
+def pytest_configure(config):
+    _INSTAFAIL[0] = bool(config.getoption("--instafail", default=False))

@@ -188,11 +188,11 @@ def test_with_a_host_tier_the_default_policy_plants_what_the_device_budget_holds
     """The host tier takes what a new state evicts (and the state itself later): the default policy plants a state
     of more than half the device budget, and declines one the device budget cannot hold at all."""
     eng = engine(settings=CacheSettings(min_prefix=64, stride=192, mb=1, host_mb=8))
-    small, big, huge = toks(200, 14), toks(700, 15), toks(1200, 16)
-    assert 2**19 < eng.cache.state_bytes(700) <= 2**20 < eng.cache.state_bytes(1200)
+    small, big, huge = toks(200, 14), toks(550, 15), toks(1200, 16)
+    assert 2**19 < eng.cache.state_bytes(550) <= 2**20 < eng.cache.state_bytes(1200)
     res = eng.answer([row(big, 10, 1), row(small, 10, 2), row(huge, 11, 3)])
     assert paths(res) == ["cold", "cold", "plain"] and eng.counts["declined"] == 1
-    other = toks(700, 17)
+    other = toks(550, 17)
     assert paths(eng.answer([row(other, 10, 5)])) == ["cold"]  # it moves `big` to the host tier
     again = eng.answer([row(big, 12, 4)])
     assert paths(again) == ["hit"] and eng.cache.stats["restored_host"] == 1  # copied back
