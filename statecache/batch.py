@@ -15,7 +15,7 @@ continues from: a per-token route index, so one graph serves any mix of routes) 
 sequence's router feature sum over its piece in `st.F`; `rows_batched` carries the sums on from the checkpoints',
 plants checkpoints with them, and asks the router once the question has run. A row whose router disagrees with the
 route it ran with (a misprediction) keeps nothing of that run and runs again through `StateCache.row` with the
-router's route (or, inside a row's `between` hook, is given back as None).
+router's route.
 
 `BatchRunner.forward(pieces)` runs one packed forward (on CUDA one replay of the graph of its (batch-size, total-token)
 buckets, with or without snapshots, every per-sequence number in the graph's input buffer: the kernels loop over each
@@ -793,9 +793,8 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
     """statecache.cache.StateCache.rows_batched: [(ids, state_len, slots, nopts)] -> [Answer | None]; None for a row
     that has no checkpoint, whose question does not fit a batch piece, or that failed (the caller runs those one at a
     time). With specialists a misprediction runs again here, one at a time (`StateCache.row` with the router's
-    route; its answer counts both runs' tokens), unless this call comes from inside a row's `between` hook (the chunk
-    runner's buffers hold that row): then it comes back as None, for the caller to run later. found: per row None or
-    (checkpoint, index version) of the caller's lookup of it (`_plan`)."""
+    route; its answer counts both runs' tokens). found: per row None or (checkpoint, index version) of the caller's
+    lookup of it (`_plan`)."""
     if (runner.spec is None) != (cache.runner.spec is None):
         raise ValueError("the batch runner and the cache's chunk runner must share their specialists (or both have none)")
     out: list = [None] * len(rows)
@@ -852,16 +851,11 @@ def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
             cache.last_route = route
         out[r.i] = Answer(r.probs, path, c0, n - c0, route)
     cache.stats["evicted"] += len(cache.index.evict())
-    if again and not cache.in_row:
-        between, cache.between = cache.between, None  # its chunks call nobody back
-        try:
-            for r, route, wasted in again:
-                ids, state_len, slots, nopts = rows[r.i]
-                ans = cache.row(ids, state_len, slots, nopts, known_route=route)
-                if ans is not None:
-                    cache.stats["tokens_computed"] += wasted
-                    ans.computed += wasted
-                out[r.i] = ans
-        finally:
-            cache.between = between
+    for r, route, wasted in again:
+        ids, state_len, slots, nopts = rows[r.i]
+        ans = cache.row(ids, state_len, slots, nopts, known_route=route)
+        if ans is not None:
+            cache.stats["tokens_computed"] += wasted
+            ans.computed += wasted
+        out[r.i] = ans
     return out

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -83,8 +82,6 @@ class StateCache:
         self.index.tiers = self.host
         self.last_route = 0  # specialists: the route guessed for a row with no checkpoint
         self.batch = None  # a statecache.batch.BatchRunner: enables rows_batched (text rows, with or without specialists)
-        self.between: Callable[[], None] | None = None  # called between a row's state chunks (must not call row)
-        self.in_row = False  # True while `between` runs inside a row (rows_batched then leaves reruns to the caller)
         self._serial = 0  # groups' serial numbers: the static K/V buffers' owner tag (see _restore)
         self.stats = {"rows": 0, "hits": 0, "partial": 0, "cold": 0, "tokens_reused": 0,
                       "tokens_computed": 0, "ckpts_made": 0, "evicted": 0, "mispredict": 0,
@@ -238,12 +235,6 @@ class StateCache:
                 fsum = fsum + fsum_buf
             if plant:
                 snaps.append((b, self.runner.st.conv.clone(), self.runner.st.S.clone(), fsum))
-            if self.between is not None:  # chunked prefill: short work that arrived meanwhile runs now
-                self.in_row = True  # the runner's buffers hold this row's state: no `row` until it returns
-                try:
-                    self.between()
-                finally:
-                    self.in_row = False
         out = self.runner.run(ids, p, n, slots, nopts, route=route, images=images)
         if fsum is not None:
             route = spec.router.pick(fsum + fsum_buf, n)

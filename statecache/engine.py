@@ -447,9 +447,7 @@ class Engine:
         3. the plain path's forwards for the rows the cache cannot take and the first row of each new state the
            cold_ok policy lets plant (it plants): each new state alone through its planting graph where it has one,
            in arrival order, the rest packed (`PlainPath.forwards`); each forward's answers are handed back when it
-           ends, and the rows behind its new states run batched right after it (now hits); with a `between` hook
-           (chunked prefill) each forward calls back every few layers, so rows that arrive meanwhile and continue
-           from saved states are answered there;
+           ends, and the rows behind its new states run batched right after it (now hits);
         4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
         groups, plain = self._groups(todo)
         pinned: list = []  # the checkpoints this batch's rows will restore, pinned in the index until the batch ends

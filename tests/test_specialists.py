@@ -548,26 +548,6 @@ def test_one_batch_graph_serves_any_mix_of_routes(monkeypatch):
     assert replayed and all(k[0] <= 4 for k in replayed) and runner.stats["forwards"] >= 2
 
 
-def test_a_misprediction_inside_a_rows_between_hook_is_left_to_the_caller():
-    """rows_batched called from a row's `between` hook (chunked prefill) must not run a row through the chunk runner
-    whose buffers hold the outer row: a mispredicted batched row comes back as None; both rows stay exact."""
-    _, _, _, spec = world()
-    cache = batch_cache(False, spec)
-    A, B = toks(260, 150), toks(420, 151)
-    with router_forced(spec, 1):
-        ask(cache, A + toks(9, 152), 260, [268], [4])
-    inner_row = (A + toks(12, 153), 260, [271], [3])
-    inner = []
-    cache.between = lambda: inner.append(cache.rows_batched([inner_row])[0]) if not inner else None
-    cache.last_route = 3  # the outer row (no checkpoint) guesses right: it runs once
-    with router_forced(spec, 3):  # the inner row's checkpoint is route 1: it mispredicts
-        outer = ask(cache, B + toks(10, 154), 420, [429], [4])
-        assert outer.computed == 430
-        assert outer.route == 3 and inner == [None] and cache.stats["mispredict"] >= 1
-        cache.between = None
-        check_batched(cache, [inner_row], cache.rows_batched([inner_row]))  # outside a row: run again at once
-
-
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_batched_mixes_with_routes(data):
