@@ -32,6 +32,8 @@
 #   tests       pytest tests/test_gpu.py and the Triton kernel tests (240)
 #   tests_gpu   pytest tests/test_gpu.py alone (240)
 #   tests_plant pytest tests/test_gpu.py's planting-graph tests only (240: 120 s did not cover their compilation)
+#   tests_steps pytest tests/test_gpu.py's tests of rows through the step loop (mixed steps, images, specialists,
+#               options, the host tier), each failure printed as it happens (240)
 # Environment passed on: STATECACHE_* (e.g. STATECACHE_CACHE_MB). Compile caches go to $STATECACHE_HOME
 # (default here: /tmp/statecache-home, which outlives a call while the machine stays warm, as /tmp/ck9b does; a
 # folder in the repository, not ignored by .gitignore, did not: in session 9 the second call's worker took 73 s for
@@ -100,6 +102,8 @@ run_step() {
         tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider --instafail tests/test_gpu.py tests/test_batch_triton.py \
                   tests/test_span_triton.py tests/test_gdn_triton.py tests/test_conv_triton.py >"$dir/log.txt" 2>&1 ;;
         tests_gpu) timeout "$limit" python3 -m pytest -q -p no:cacheprovider --instafail tests/test_gpu.py >"$dir/log.txt" 2>&1 ;;
+        tests_steps) timeout "$limit" python3 -m pytest -q -p no:cacheprovider --instafail tests/test_gpu.py \
+                  -k "steps_mix or image_rows or specialists or options or host_tier or cached_rows" >"$dir/log.txt" 2>&1 ;;
         tests_plant) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "planting_graph" \
                   >"$dir/log.txt" 2>&1 ;;
         *) echo "gpu_session: no step '$name'" | tee "$dir/log.txt"; return ;;
@@ -112,7 +116,7 @@ run_step() {
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([pin]=120 [plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [tests_gpu]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([pin]=120 [plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [tests_steps]=240 [tests_gpu]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}
