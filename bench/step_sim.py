@@ -165,59 +165,35 @@ class Agents:
 
 def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chunk: int,
               max_piece: int | None = None, pipelined: bool = False) -> dict:
+    """The scheduler's steps back to back. pipelined: as statecache.step runs them, the next step is planned (from
+    the rows arrived by then) as soon as this one is launched, and runs right after it, so a row arriving while a
+    step runs joins the step after the next one; else the next step is planned when this one has ended."""
     layout = Layout.from_settings()
     sched = Scheduler(make_view(layout), layout, budget_tokens=budget, chunk_tokens=chunk, max_piece=max_piece)
-    if pipelined:
-        return _run_pipelined(agents, model, seconds, sched)
-    rows = {}
-    t, busy, steps = 0.0, 0.0, 0
-    while t < seconds:
-        for r in agents.due(t):
-            rows[r.rid] = r
-            sched.add(r)
-        step = sched.plan()
-        if not step.pieces:
-            sched.done(step)
-            t = max(t, agents.next_arrival())
-            continue
-        ms = model.step_ms([(pc.start, pc.tokens) for pc in step.pieces])
-        t += ms / 1e3
-        busy += ms / 1e3
-        steps += 1
-        for f in sched.done(step):
-            agents.answer(rows.pop(f.row.rid), t, f.path, f.reused)
-    return {"steps": steps, "busy_s": busy, "end_s": t, "tokens_per_step": sched.stats["tokens"] / max(1, steps)}
-
-
-def _run_pipelined(agents: Agents, model: CostModel, seconds: float, sched: Scheduler) -> dict:
-    """statecache.step's loop: the next step is planned (from the rows arrived by then) as soon as this one is
-    launched, and runs right after it; a step's rows are answered when it ends. So a row arriving while a step runs
-    joins the step after the next one."""
     rows: dict = {}
     t, busy, steps = 0.0, 0.0, 0
 
-    def take(now: float) -> None:
+    def take_and_plan(now: float):
         for r in agents.due(now):
             rows[r.rid] = r
             sched.add(r)
+        return sched.plan()
 
-    take(t)
-    cur = sched.plan()
+    cur = take_and_plan(t)
     while t < seconds:
         if not cur.pieces:
             t = max(t, agents.next_arrival())
-            take(t)
-            cur = sched.plan()
+            cur = take_and_plan(t)
             continue
-        take(t)
-        nxt = sched.plan()  # planned while cur runs, before its `done`
+        if pipelined:
+            nxt = take_and_plan(t)  # planned while cur runs, before its `done`
         ms = model.step_ms([(pc.start, pc.tokens) for pc in cur.pieces])
         t += ms / 1e3
         busy += ms / 1e3
         steps += 1
         for f in sched.done(cur):
             agents.answer(rows.pop(f.row.rid), t, f.path, f.reused)
-        cur = nxt
+        cur = nxt if pipelined else take_and_plan(t)
     return {"steps": steps, "busy_s": busy, "end_s": t, "tokens_per_step": sched.stats["tokens"] / max(1, steps)}
 
 
