@@ -552,10 +552,9 @@ class BatchRunner:
                 raise NotBatched("a piece's GDN states must not be a view of the batch slots")
             lens.append(n)
         B, T, L = len(pieces), sum(lens), max(lens)
-        images = any(pc.has_image() for pc in pieces)
-        key = self.shape(B, T, any(pc.snaps for pc in pieces)) if images else None
-        if key is None:
-            key = self.ensure(B, T, any(pc.snaps for pc in pieces))
+        images, snapping = any(pc.has_image() for pc in pieces), any(pc.snaps for pc in pieces)
+        # an eager forward needs no graph: only its shape (and a graph for a shape too large to have one: NotBatched)
+        key = (self.shape(B, T, snapping) if images else None) or self.ensure(B, T, snapping)
         Bb, Tb, snaps = key
         if not self.use_graphs or images:  # eagerly (pieces holding image tokens: their positions and embeddings)
             inp, snap_host = self._pack(pieces, Bb, Tb, snaps)

@@ -37,14 +37,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from .batch import SNAPS_PER_PIECE, NotBatched, Piece
 from .cache import Answer, StateCache
 from .graphs import n_options
 from .index import DEVICE
-from .sched import Layout, Row, Scheduler
+from .sched import Layout, Row, Scheduler, slots_at_one_position
 
 log = logging.getLogger("statecache.step")
 
@@ -80,6 +79,11 @@ class _Live:
     route: int = 0  # specialists: the route it runs with (a guess until its router has spoken)
     fsum: torch.Tensor | None = None  # specialists: the router's feature sum over [0, next piece's start)
     earlier: int = 0  # specialists: tokens computed by runs the router disagreed with (a misprediction's)
+
+
+def _slots_in(live: "_Live", s: int, e: int) -> list[int]:
+    """Indices of the row's answer slots in [s, e) (the ones a piece over those tokens answers)."""
+    return [j for j, x in enumerate(live.row["slots"]) if s <= x < e]
 
 
 def _keys(row: dict):
@@ -180,7 +184,7 @@ class Steps:
         n = len(row["ids"])
         if n < 1 or n > self.runner.bk.max_keys:
             return False
-        return int(np.unique(np.asarray(row["slots"]), return_counts=True)[1].max()) <= self.runner.max_slots
+        return slots_at_one_position(row["slots"]) <= self.runner.max_slots
 
     def _cacheable(self, row: dict) -> bool:
         return self.cache.s.mb > 0 and self.cache.eligible(row["ids"], row["state_len"], row["slots"])
@@ -270,8 +274,7 @@ class Steps:
             probs = wait().numpy()
             for b, (bp, pc, live) in enumerate(items):
                 if bp.slots and live.probs is not None:
-                    here = [j for j, x in enumerate(live.row["slots"]) if pc.start <= x < pc.end]
-                    for k, (j, opts) in enumerate(zip(here, bp.nopts)):
+                    for k, (j, opts) in enumerate(zip(_slots_in(live, pc.start, pc.end), bp.nopts)):
                         live.probs[j] = probs[b, k, : n_options(opts)].tolist()
         t1 = time.perf_counter()
         sec["read"] += t1 - t0
@@ -316,11 +319,16 @@ class Steps:
         restores = [pc.restore for pc in step.pieces if pc.restore is not None]
         for c in restores:
             index.pin(c)
-        for c in restores:
-            if c.tier != DEVICE and index.promote(c):
-                st["restored_host"] += 1
-            elif c.tier == DEVICE:
-                st["restored_device"] += 1
+        try:
+            for c in restores:
+                if c.tier != DEVICE and index.promote(c):
+                    st["restored_host"] += 1
+                elif c.tier == DEVICE:
+                    st["restored_device"] += 1
+        except BaseException:  # no step will unpin them
+            for c in restores:
+                index.unpin(c)
+            raise
         items = []
         for pc in step.pieces:
             live = self.live.get(pc.rid)
@@ -358,7 +366,7 @@ class Steps:
         inside = tuple(x for x in pc.plants if x < e)
         if not s:
             K = V = None
-        here = [j for j, x in enumerate(row["slots"]) if s <= x < e]  # the row's slots this piece answers
+        here = _slots_in(live, s, e)  # the row's slots this piece answers
         return Piece(row["ids"], s, e, conv, S, K, V, tuple(int(row["slots"][j]) for j in here),
                      tuple(row["options"][j] for j in here), live.route, inside, keep_state=not pc.answer,
                      images=row.get("mm"))

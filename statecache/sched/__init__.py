@@ -7,8 +7,8 @@ view of the cache; plain Python, no torch (a rules test holds that for every mod
 """
 
 from .layout import Layout
-from .steps import COLD, HIT, PARTIAL, PLAIN, Finished, Piece, Row, Scheduler, Step
+from .steps import COLD, HIT, PARTIAL, PLAIN, Finished, Piece, Row, Scheduler, Step, slots_at_one_position
 from .view import CacheView, IndexView
 
 __all__ = ["Layout", "CacheView", "IndexView", "Scheduler", "Row", "Piece", "Step", "Finished", "HIT", "PARTIAL",
-           "COLD", "PLAIN"]
+           "COLD", "PLAIN", "slots_at_one_position"]

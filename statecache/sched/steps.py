@@ -133,6 +133,11 @@ class _Job:
     pieces: int = 0
 
 
+def slots_at_one_position(slots: Sequence[int]) -> int:
+    """The most answer slots any one position holds (0 for none): a piece holding them all must take that many."""
+    return int(np.unique(np.asarray(slots), return_counts=True)[1].max()) if len(slots) else 0
+
+
 def _same(a, b, k: int) -> bool:
     """a[:k] == b[:k] for lists or int arrays."""
     if isinstance(a, list) and isinstance(b, list):
@@ -180,8 +185,7 @@ class Scheduler:
             raise ValueError(f"row {row.rid!r} is already scheduled")
         if row.state_len < 0 or row.state_len > row.n or row.n < 1:
             raise ValueError(f"row {row.rid!r}: state_len {row.state_len} outside its {row.n} tokens")
-        if self.max_slots is not None and row.slots and max(np.unique(np.asarray(row.slots), return_counts=True)[1]) \
-                > self.max_slots:
+        if self.max_slots is not None and slots_at_one_position(row.slots) > self.max_slots:
             raise ValueError(f"row {row.rid!r}: more than max_slots ({self.max_slots}) answer slots at one position")
         self._waiting.append((self._seq, row))
         self._seq += 1
