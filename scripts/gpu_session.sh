@@ -22,6 +22,8 @@
 #   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB (60)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
+#   delta       bench/gpu_delta_steps.py: the batched delta rule's one-kernel and chunk-parallel forms on step-like
+#               mixes at the 9B shape, timed and against a float32 reference (120)
 #   batchv      bench/gpu_batch.py, 9B, 1, 4 and 16 hits, each again with the delta rule's value blocks and warps of
 #               $DELTA_VARIANTS (default 64:4,128:8), no kernel sweep (200)
 #   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (280)
@@ -92,6 +94,7 @@ run_step() {
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s 5 >"$dir/log.txt" 2>&1 ;;
         batch) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts 1,4,16,64 \
                   >"$dir/log.txt" 2>&1 ;;
+        delta) timeout "$limit" python3 bench/gpu_delta_steps.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
         batchv) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts "${BATCH_COUNTS:-1,4,16}" --no-kernel-sweep \
                   --delta-variants "${DELTA_VARIANTS:-64:4,128:8}" >"$dir/log.txt" 2>&1 ;;
         specialists) timeout "$limit" python3 bench/gpu_specialists.py --out "$dir" --shape 9B --routes 4 --rank 16 --skip-profile \
@@ -112,11 +115,11 @@ run_step() {
     local what="rc $rc"
     [ $rc -eq 124 ] && what="stopped at its $limit s limit"
     echo "== $(basename "$dir")${STEP_ENV:+ ($STEP_ENV)}: $what, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
-    grep -hE '^\[(load|agree)\]|ratio|hit|passed|failed|Error|planting' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
+    grep -hE '^\[(load|agree|delta)\]|ratio|hit|passed|failed|Error|planting' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([pin]=120 [plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [tests_steps]=240 [tests_gpu]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([delta]=120 [pin]=120 [plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [tests_steps]=240 [tests_gpu]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}

@@ -72,7 +72,8 @@ def test_graph_cached_rows_match_plain_bf16(kernels):
     rows = [{"ids": state + torch.randint(0, eng.vocab_size, (20,), generator=g).tolist(), "state_len": 300,
              "slots": [319], "nopts": [4]} for _ in range(3)]
     got = eng.answer(rows)
-    assert [r["path"] for r in got] == ["cold", "hit", "hit"]
+    assert [r["path"] for r in got] == ["cold", "hit", "hit"], ([r.get("path") for r in got], eng.phases, eng.counts,
+                                                                  eng.cache.stats)
     want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows])
     for r, p in zip(got, want):
         assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 1e-2
@@ -137,8 +138,8 @@ def test_specialists_graph_rows_match_plain(kernels):
 
 def test_specialists_batched_hits_match_plain(kernels):
     """The tiny model with its 3-route specialists on CUDA, float32: hits on several saved states in one batch go
-    through the batched runner with specialists (a route per sequence; graphs where the Triton batch kernels take
-    the shapes, else one at a time) and answer and route as the plain path's packed forward."""
+    through the step loop (a route per sequence) and answer and route as the plain path's packed
+    forward."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
     from statecache.tiny import tiny_specialists_dir
@@ -153,11 +154,12 @@ def test_specialists_batched_hits_match_plain(kernels):
         return [{"ids": s + torch.randint(0, eng.vocab_size, (n,), generator=g).tolist(), "state_len": len(s),
                  "slots": [len(s) + n - 1], "nopts": [4]} for s in states]
     eng.answer(rows(9))  # plants each state
-    batched = eng.phases["batched_rows"]
+    stepped = eng.phases["step_rows"]
     hits = rows(17)
     got = eng.answer(hits)
     want = eng.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r in hits])
-    assert eng.phases["batched_rows"] - batched == len(hits)
+    assert [r["path"] for r in got] == ["hit"] * len(hits), [r.get("path") for r in got]
+    assert eng.phases["step_rows"] - stepped == len(hits)
     for r, (p, route) in zip(got, want):
         assert r["route"] == eng.specialists.names[route]
         assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3

@@ -1,0 +1,110 @@
+"""GPU check of the batched delta rule's two forms on step-like mixes at the 9B GDN shape (16 key heads, 32 value
+heads, 128 x 128 state per head, bf16 inputs, float32 states): the one-kernel form (`delta_batch(parallel=False)`: a
+program per head, value slice and sequence runs its sequence's 64-token chunks one after another) against the
+chunk-parallel form (`parallel=True`: every chunk's state-free part at once, then a short pass per sequence), over
+the second phase's launch knobs. Each timing is the median replay of a CUDA graph holding one call (microseconds);
+each mix also reports how far each form's outputs and final states are from a float32 reference of the same inputs
+(`kernels.delta_rule_reference`, sequence by sequence), so that speed is never bought with precision.
+
+    python bench/gpu_delta_steps.py --out DIR        (on the GPU machine; writes DIR/delta_steps.json)
+
+What it does not do: run the model. The step's other kernels and its planting are measured by the load bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_timing import graph_us  # noqa: E402
+
+from statecache import gdn_triton  # noqa: E402
+from statecache.kernels import delta_rule_reference  # noqa: E402
+
+HK, HV, DK, DV = 16, 32, 128, 128
+MIXES = {  # name: sequence lengths in one call (a step: new-page chunks and hits' questions)
+    "page2048": [2048],
+    "page1024+16hits": [1024] + [64] * 16,
+    "pages1536+512": [1536, 512],
+    "page1024+48hits32": [1024] + [32] * 48,
+    "4pages256+32hits": [256] * 4 + [48] * 32,
+}
+
+
+def inputs(lens, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    q = torch.randn(T, HK, DK, device="cuda", generator=g).bfloat16()
+    k = torch.randn(T, HK, DK, device="cuda", generator=g).bfloat16()
+    v = torch.randn(T, HV, DV, device="cuda", generator=g).bfloat16()
+    gate = -torch.rand(T, HV, device="cuda", generator=g) * 0.3
+    beta = torch.rand(T, HV, device="cuda", generator=g).bfloat16()
+    S0 = torch.randn(len(lens), HV, DK, DV, device="cuda", generator=g) * 0.05
+    return cu, q, k, v, gate, beta, S0
+
+
+def reference(lens, cu, q, k, v, gate, beta, S0):
+    rep = HV // HK
+    os, Ss = [], []
+    for b, n in enumerate(lens):
+        s = int(cu[b])
+        sl = slice(s, s + n)
+        qq = q[sl].float().repeat_interleave(rep, 1)
+        kk = k[sl].float().repeat_interleave(rep, 1)
+        o, S = delta_rule_reference(qq, kk, v[sl].float(), gate[sl], beta[sl].float(), S0[b].clone())
+        os.append(o)
+        Ss.append(S)
+    return torch.cat(os), torch.stack(Ss)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results/delta_steps")
+    ap.add_argument("--variants", default="16:8,32:8,32:4,64:8", help="second phase's BV:warps to time")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name(), "shape": dict(Hk=HK, Hv=HV, Dk=DK, Dv=DV), "mixes": {}}
+    for name, lens in MIXES.items():
+        t0 = time.perf_counter()
+        cu, q, k, v, gate, beta, S0 = inputs(lens)
+        lmax = max(lens)
+        r: dict = {"lens": f"{lens[0]} + {len(lens) - 1} more" if len(lens) > 3 else lens}
+        o_ref, S_ref = reference(lens, cu, q, k, v, gate, beta, S0)
+        scale_o, scale_S = o_ref.abs().max().item(), S_ref.abs().max().item()
+
+        def err(parallel, **kw):
+            S = S0.clone()
+            o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, lmax, parallel=parallel, **kw)
+            return {"max_do_rel": (o.float() - o_ref).abs().max().item() / scale_o,
+                    "max_dS_rel": (S - S_ref).abs().max().item() / scale_S}
+
+        r["one_kernel_err"] = err(False, **({"block_v": 64} if len(lens) >= 16 else {}))
+        r["parallel_err"] = err(True)
+        S = S0.clone()
+        kw1 = {"block_v": 64} if len(lens) >= 16 else {}  # batch.delta_knobs' choice
+        r["one_kernel_us"] = graph_us([lambda: gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, lmax,
+                                                                      parallel=False, **kw1)])
+        for var in args.variants.split(","):
+            bv, w = (int(x) for x in var.split(":"))
+            try:
+                r[f"parallel_v{bv}_w{w}_us"] = graph_us([lambda: gdn_triton.delta_batch(
+                    q, k, v, gate, beta, S, cu, lmax, parallel=True, pass_block_v=bv, pass_warps=w)])
+            except Exception as e:  # noqa: BLE001 - one variant's failure is a result
+                r[f"parallel_v{bv}_w{w}_us"] = f"{type(e).__name__}: {str(e)[:300]}"
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        res["mixes"][name] = r
+        print("[delta]", name, json.dumps(r), flush=True)
+        (out / "delta_steps.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
