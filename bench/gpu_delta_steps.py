@@ -65,6 +65,34 @@ def reference(lens, cu, q, k, v, gate, beta, S0):
     return torch.cat(os), torch.stack(Ss)
 
 
+def phases(fn, reps: int = 5) -> dict:
+    """GPU microseconds per call of each kernel fn launches (torch.profiler, eager, after a warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: round(e.device_time_total / reps, 1) for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def fla_chain(cu, q, k, v, gate, beta, S0):
+    """fla's chunked gated delta rule over the same sequences from the same states, final states out (what fla
+    itself takes at this shape; its inner states are bf16), GPU microseconds; or why it could not run."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        ci = prepare_chunk_indices(cu, 64)
+        return graph_us([lambda: chunk_gated_delta_rule(q[None], k[None], v[None], gate[None], beta[None],
+                                                        initial_state=S0, output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, chunk_indices=ci)])
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/delta_steps")
@@ -100,6 +128,14 @@ def main() -> None:
                     q, k, v, gate, beta, S, cu, lmax, parallel=True, pass_block_v=bv, pass_warps=w)])
             except Exception as e:  # noqa: BLE001 - one variant's failure is a result
                 r[f"parallel_v{bv}_w{w}_us"] = f"{type(e).__name__}: {str(e)[:300]}"
+        for bv, w in ((16, 4), (16, 2), (32, 2)):  # the one-kernel form's smaller programs (more of them)
+            try:
+                r[f"one_kernel_v{bv}_w{w}_us"] = graph_us([lambda: gdn_triton.delta_batch(
+                    q, k, v, gate, beta, S, cu, lmax, parallel=False, block_v=bv, num_warps=w)])
+            except Exception as e:  # noqa: BLE001
+                r[f"one_kernel_v{bv}_w{w}_us"] = f"{type(e).__name__}: {str(e)[:300]}"
+        r["parallel_phases_us"] = phases(lambda: gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, lmax, parallel=True))
+        r["fla_chain_us"] = fla_chain(cu, q, k, v, gate, beta, S0)
         r["seconds"] = round(time.perf_counter() - t0, 1)
         res["mixes"][name] = r
         print("[delta]", name, json.dumps(r), flush=True)

@@ -11,7 +11,8 @@ between agents differs). Reported per configuration: rows, failed jobs, paths, t
 unbounded cache), new-page rows (cold + partial: rows that ran a state's tokens beyond what they restored), the jobs each worker
 answered (arq's log lines), the fingerprints each advertises at the end (Redis), and tokens reused against the first
 configuration's. --kill-after-s: the last worker is SIGKILLed that long after the agents start (every row must
-still be answered, by the others).
+still be answered, by the others); with --replace a new worker is started right after the kill, while the others
+serve (its seconds to ready are reported).
 
 Knows the worker through its environment, Redis and results only.
 """
@@ -103,19 +104,41 @@ def run_config(n_workers: int, args, vocab: tuple[int, int], logdir: Path) -> di
             trace = AgentTrace(args.agents, seed=args.seed, vocab=vocab, min_state=args.min_state,
                                max_state=args.max_state)
             killer = None
+            replaced: dict = {}
             if args.kill_after_s and n_workers > 1:  # SIGKILL the last worker while the agents run
                 import threading
 
-                killer = threading.Timer(args.kill_after_s, workers[-1].proc.kill)
+                def kill() -> None:
+                    workers[-1].proc.kill()
+                    if not args.replace:
+                        return
+                    k = len(workers)  # a new worker in its place, started while the others serve
+                    w = Worker(server.url, QUEUE_NAME, args.model, args.cache_mb, logdir / f"w{n_workers}_{k}.log")
+                    w.env.update(STATECACHE_WORKER_ID=f"w{k}", OMP_NUM_THREADS="1", STATECACHE_METRICS_PORT="0")
+                    workers.append(w)
+                    t = time.perf_counter()
+                    try:
+                        w.start(300)  # returns at once (the queue's health key is up): its own heartbeat says ready
+                        rk = redis_sync.Redis.from_url(server.url)
+                        while not rk.exists(live_key(QUEUE_NAME, f"w{k}")):
+                            if w.proc.poll() is not None or time.perf_counter() - t > 300:
+                                raise RuntimeError(f"worker w{k} did not come up; see {w.log_path}")
+                            time.sleep(0.1)
+                        rk.close()
+                        replaced["ready_s"] = round(time.perf_counter() - t, 1)
+                    except Exception as e:  # noqa: BLE001 - reported with the results
+                        replaced["error"] = f"{type(e).__name__}: {e}"[:300]
+
+                killer = threading.Thread(target=lambda: (time.sleep(args.kill_after_s), kill()), daemon=True)
                 killer.start()
             t0 = time.perf_counter()
             recs = asyncio.run(agents(server.url, trace, args.rows_per_agent, args.timeout_s))
-            if killer is not None:
-                killer.cancel()
+            if killer is not None:  # the kill (and the new worker's start) happened, or happens now
+                killer.join()
             elapsed = time.perf_counter() - t0
             alive = [k for k, w in enumerate(workers) if w.proc.poll() is None]
             routing = asyncio.run(worker_stats(server.url, alive))
-            held = {f"w{k}": r.hlen(fingerprints_key(QUEUE_NAME, f"w{k}")) for k in range(n_workers)}
+            held = {f"w{k}": r.hlen(fingerprints_key(QUEUE_NAME, f"w{k}")) for k in range(len(workers))}
             r.close()
         finally:
             for w in workers:
@@ -123,9 +146,10 @@ def run_config(n_workers: int, args, vocab: tuple[int, int], logdir: Path) -> di
     ok = [x for x in recs if "error" not in x]
     ideal = unbounded_reuse([x["row"] for x in recs])
     paths = Counter(x["path"] for x in ok)
-    logs = [(logdir / f"w{n_workers}_{k}.log").read_text(errors="replace") for k in range(n_workers)]
+    logs = [(logdir / f"w{n_workers}_{k}.log").read_text(errors="replace") for k in range(len(workers))]
     return {
-        "workers": n_workers, "killed_after_s": args.kill_after_s if n_workers > 1 else None, "rows": len(ok), "failed": len(recs) - len(ok),
+        "workers": n_workers, "killed_after_s": args.kill_after_s if n_workers > 1 else None,
+        "replacement": replaced or None, "rows": len(ok), "failed": len(recs) - len(ok),
         "errors": Counter(x["error"] for x in recs if "error" in x).most_common(3),
         "seconds": round(elapsed, 1), "rows_per_s": round(len(ok) / elapsed, 2),
         "paths": dict(sorted(paths.items())), "new_page_rows": paths["cold"] + paths["partial"],
@@ -151,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--kill-after-s", type=float, default=0.0,
                     help="SIGKILL the last worker this long after the agents start (0: never)")
+    ap.add_argument("--replace", action="store_true",
+                    help="with --kill-after-s: start a new worker right after the kill, while the others serve")
     ap.add_argument("--out", default=None, help="folder for results.json and the workers' logs")
     args = ap.parse_args(argv)
     if args.model is None:

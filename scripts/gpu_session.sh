@@ -22,6 +22,8 @@
 #   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB (60)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
+#   route2      bench/route_bench.py, 9B: two workers on the one GPU with defaults, 16 agents x 60 rows, the second
+#               SIGKILLed 15 s in and a new one started in its place while the first serves (420)
 #   delta       bench/gpu_delta_steps.py: the batched delta rule's one-kernel and chunk-parallel forms on step-like
 #               mixes at the 9B shape, timed and against a float32 reference (120)
 #   batchv      bench/gpu_batch.py, 9B, 1, 4 and 16 hits, each again with the delta rule's value blocks and warps of
@@ -94,6 +96,9 @@ run_step() {
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s 5 >"$dir/log.txt" 2>&1 ;;
         batch) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts 1,4,16,64 \
                   >"$dir/log.txt" 2>&1 ;;
+        route2) [ -f /tmp/ck9b/config.json ] || python3 bench/random_checkpoint.py /tmp/ck9b --shape 9B >"$dir/ckpt.txt" 2>&1
+                timeout "$limit" python3 bench/route_bench.py --model /tmp/ck9b --workers 2 --agents 16 --rows-per-agent 60 \
+                  --kill-after-s 15 --replace --out "$dir" >"$dir/log.txt" 2>&1 ;;
         delta) timeout "$limit" python3 bench/gpu_delta_steps.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
         batchv) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts "${BATCH_COUNTS:-1,4,16}" --no-kernel-sweep \
                   --delta-variants "${DELTA_VARIANTS:-64:4,128:8}" >"$dir/log.txt" 2>&1 ;;
@@ -115,11 +120,11 @@ run_step() {
     local what="rc $rc"
     [ $rc -eq 124 ] && what="stopped at its $limit s limit"
     echo "== $(basename "$dir")${STEP_ENV:+ ($STEP_ENV)}: $what, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
-    grep -hE '^\[(load|agree|delta)\]|ratio|hit|passed|failed|Error|planting' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
+    grep -hE '^\[(load|agree|delta|route)\]|^\{"workers|ratio|hit|passed|failed|Error|planting' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([delta]=120 [pin]=120 [plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [tests_steps]=240 [tests_gpu]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [tests_steps]=240 [tests_gpu]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}

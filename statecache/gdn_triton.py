@@ -437,7 +437,7 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 S: torch.Tensor, cu: torch.Tensor, lmax: int, *, snap: torch.Tensor | None = None,
                 snap_at: torch.Tensor | None = None, src_off: torch.Tensor | None = None,
                 keep: torch.Tensor | None = None, block_v: int = 32, block_k: int = 64,
-                num_warps: int = 4, dot_precision: str = "tf32", parallel: bool | None = None,
+                num_warps: int = 4, dot_precision: str = "tf32", parallel: bool = False,
                 pass_block_v: int = 32, pass_warps: int = 8) -> torch.Tensor:
     """delta_chunk for B packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequence b: tokens
     [cu[b], cu[b + 1]), at most lmax of them, all real), S [B, Hv, Dk, Dv] float32 (sequence b's state, updated in
@@ -451,7 +451,7 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     sequence whose end state nobody reads, e.g. a question's). Graph-safe: nothing per sequence is read on the
     host.
 
-    parallel (default: when a sequence may span several chunks, lmax > MAX_TOKENS) runs the chunk-parallel form
+    parallel runs the chunk-parallel form
     instead (`_delta_two_phase`): the same results, with the chain along a sequence cut to two small products per
     chunk; a sequence's final state is then written to its slot only when kept (keep 0 leaves the slot as it was).
     block_v, num_warps: the one-kernel form's launch knobs; pass_block_v, pass_warps: the second phase's."""
@@ -473,8 +473,6 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     if src_off is not None:
         assert src_off.shape == (B,) and keep is not None and keep.shape == (B,), "src_off and keep: [B] each"
     o = torch.zeros((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    if parallel is None:
-        parallel = lmax > MAX_TOKENS
     if parallel:  # chunk-parallel: every chunk's state-free part at once, then a short pass per sequence
         _delta_two_phase(q, k, v, g, beta, S, cu, o, snap, snap_at, nsnap, src_off, keep, BK, dot_precision,
                          block_v=pass_block_v, num_warps=pass_warps)

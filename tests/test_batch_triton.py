@@ -53,7 +53,7 @@ def test_conv_batch(lens, pad):
 
 @pytest.mark.parametrize("lens,pad", LENS)
 @pytest.mark.parametrize("Hk,Hv", [(2, 4), (2, 2)])
-@pytest.mark.parametrize("parallel", [None, False], ids=["default", "one-kernel"])
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one-kernel"])
 def test_delta_batch(lens, pad, Hk, Hv, parallel):
     g = torch.Generator().manual_seed(2)
     cu, T = _cu(lens, pad)
@@ -133,7 +133,7 @@ def test_delta_batch_wide_keys():
     at = torch.tensor([[[64, 0], [128, 1], [0, -1]], [[0, -1]] * 3])
     snap = torch.zeros(2, Hv, Dk, Dv).to(DEV)
     o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), snap=snap, snap_at=at.to(DEV),
-                               src_off=off.to(DEV), keep=keep.to(DEV), dot_precision="ieee")
+                               src_off=off.to(DEV), keep=keep.to(DEV), dot_precision="ieee", parallel=True)
     S_ref, snap_ref = own.clone(), torch.zeros_like(snap)
     ref = REF.delta(q, k, v, gate, beta, S_ref, cu, max(lens), lens,
                     (snap_ref, Snaps(at, torch.zeros(1), [[(64, 0), (128, 1)], []])))
@@ -162,22 +162,28 @@ def _sourced_inputs(lens, pad, seed):
 
 
 @pytest.mark.parametrize("lens,pad", LENS)
-def test_delta_batch_sources(lens, pad):
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one-kernel"])
+def test_delta_batch_sources(lens, pad, parallel):
     """Sequences continuing from states in their own tensors (src_off: nothing copied into the slots first) give what
-    the same states copied into the slots give; keep=0 leaves a slot as it was, keep=1 writes the final state there."""
+    the same states copied into the slots give; keep=1 writes the final state to the slot, keep=0 does not (the
+    one-kernel form still writes the states between a longer sequence's chunks there, the chunk-parallel form
+    leaves the slot as it was)."""
     cu, T, B, (q, k, v, gate, beta), own, S, off = _sourced_inputs(lens, pad, 9)
     S_copy = torch.stack(own)
     o_copy = gdn_triton.delta_batch(q, k, v, gate, beta, S_copy, cu, max(lens), dot_precision="ieee")
     keep = torch.tensor([b % 2 for b in range(B)], dtype=torch.long, device=DEV)
     before = [x.clone() for x in own]
-    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), src_off=off, keep=keep, dot_precision="ieee")
+    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), src_off=off, keep=keep, dot_precision="ieee",
+                               parallel=parallel)
     assert (o - o_copy).abs().max().item() < TOL
     for b, n in enumerate(lens):
         assert (own[b] - before[b]).abs().max().item() == 0  # the sources are only read
-        if n == 0 or not keep[b]:
+        if n == 0 or (not keep[b] and (parallel or n <= 64)):
             assert (S[b] == 5.0).all(), b  # nothing ran, or its end state is not wanted
-        else:
+        elif keep[b]:
             assert (S[b] - S_copy[b]).abs().max().item() < TOL, b
+        else:  # the one-kernel form, several chunks, final state not kept: the slot holds the state before the last
+            assert not (S[b] == 5.0).all() and (S[b] - S_copy[b]).abs().max().item() > TOL, b
 
 
 @pytest.mark.parametrize("lens,pad", LENS)
