@@ -1,10 +1,10 @@
-"""GPU check of the batched delta rule's two forms on step-like mixes at the 9B GDN shape (16 key heads, 32 value
-heads, 128 x 128 state per head, bf16 inputs, float32 states): the one-kernel form (`delta_batch(parallel=False)`: a
-program per head, value slice and sequence runs its sequence's 64-token chunks one after another) against the
-chunk-parallel form (`parallel=True`: every chunk's state-free part at once, then a short pass per sequence), over
-the second phase's launch knobs. Each timing is the median replay of a CUDA graph holding one call (microseconds);
-each mix also reports how far each form's outputs and final states are from a float32 reference of the same inputs
-(`kernels.delta_rule_reference`, sequence by sequence), so that speed is never bought with precision.
+"""GPU check of the batched delta rule (`gdn_triton.delta_batch`: a program per head, value slice and sequence runs
+its sequence's 64-token chunks one after another) on step-like mixes at the 9B GDN shape (16 key heads, 32 value
+heads, 128 x 128 state per head, bf16 inputs, float32 states), over its launch knobs, beside fla's chain of chunked
+kernels on the same sequences and states (what a chunk-parallel form can reach: fla parallelises over chunks). Each
+timing is the median replay of a CUDA graph holding one call (microseconds); each mix also reports how far the
+outputs and final states are from a float32 reference of the same inputs (`kernels.delta_rule_reference`,
+sequence by sequence), so that speed is never bought with precision.
 
     python bench/gpu_delta_steps.py --out DIR        (on the GPU machine; writes DIR/delta_steps.json)
 
@@ -65,19 +65,6 @@ def reference(lens, cu, q, k, v, gate, beta, S0):
     return torch.cat(os), torch.stack(Ss)
 
 
-def phases(fn, reps: int = 5) -> dict:
-    """GPU microseconds per call of each kernel fn launches (torch.profiler, eager, after a warm-up)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: round(e.device_time_total / reps, 1) for e in prof.key_averages() if e.device_time_total > 0}
-
-
 def fla_chain(cu, q, k, v, gate, beta, S0):
     """fla's chunked gated delta rule over the same sequences from the same states, final states out (what fla
     itself takes at this shape; its inner states are bf16), GPU microseconds; or why it could not run."""
@@ -96,12 +83,11 @@ def fla_chain(cu, q, k, v, gate, beta, S0):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/delta_steps")
-    ap.add_argument("--variants", default="16:8,32:8,32:4,64:8", help="second phase's BV:warps to time")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"device": torch.cuda.get_device_name(), "shape": dict(Hk=HK, Hv=HV, Dk=DK, Dv=DV), "mixes": {}}
-    for name, lens in MIXES.items():
+    for mix, lens in MIXES.items():
         t0 = time.perf_counter()
         cu, q, k, v, gate, beta, S0 = inputs(lens)
         lmax = max(lens)
@@ -109,36 +95,25 @@ def main() -> None:
         o_ref, S_ref = reference(lens, cu, q, k, v, gate, beta, S0)
         scale_o, scale_S = o_ref.abs().max().item(), S_ref.abs().max().item()
 
-        def err(parallel, **kw):
+        def err():
             S = S0.clone()
-            o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, lmax, parallel=parallel, **kw)
+            o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, lmax)
             return {"max_do_rel": (o.float() - o_ref).abs().max().item() / scale_o,
                     "max_dS_rel": (S - S_ref).abs().max().item() / scale_S}
 
-        r["one_kernel_err"] = err(False, **({"block_v": 64} if len(lens) >= 16 else {}))
-        r["parallel_err"] = err(True)
+        r["err"] = err()
         S = S0.clone()
-        kw1 = {"block_v": 64} if len(lens) >= 16 else {}  # batch.delta_knobs' choice
-        r["one_kernel_us"] = graph_us([lambda: gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, lmax,
-                                                                      parallel=False, **kw1)])
-        for var in args.variants.split(","):
-            bv, w = (int(x) for x in var.split(":"))
+        for bv, w in ((32, 4), (64, 4), (16, 4), (32, 8)):
+            name = f"delta_v{bv}_w{w}_us"
             try:
-                r[f"parallel_v{bv}_w{w}_us"] = graph_us([lambda: gdn_triton.delta_batch(
-                    q, k, v, gate, beta, S, cu, lmax, parallel=True, pass_block_v=bv, pass_warps=w)])
+                r[name] = graph_us([lambda: gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, lmax, block_v=bv,
+                                                                   num_warps=w)])
             except Exception as e:  # noqa: BLE001 - one variant's failure is a result
-                r[f"parallel_v{bv}_w{w}_us"] = f"{type(e).__name__}: {str(e)[:300]}"
-        for bv, w in ((16, 4), (16, 2), (32, 2)):  # the one-kernel form's smaller programs (more of them)
-            try:
-                r[f"one_kernel_v{bv}_w{w}_us"] = graph_us([lambda: gdn_triton.delta_batch(
-                    q, k, v, gate, beta, S, cu, lmax, parallel=False, block_v=bv, num_warps=w)])
-            except Exception as e:  # noqa: BLE001
-                r[f"one_kernel_v{bv}_w{w}_us"] = f"{type(e).__name__}: {str(e)[:300]}"
-        r["parallel_phases_us"] = phases(lambda: gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, lmax, parallel=True))
+                r[name] = f"{type(e).__name__}: {str(e)[:300]}"
         r["fla_chain_us"] = fla_chain(cu, q, k, v, gate, beta, S0)
         r["seconds"] = round(time.perf_counter() - t0, 1)
-        res["mixes"][name] = r
-        print("[delta]", name, json.dumps(r), flush=True)
+        res["mixes"][mix] = r
+        print("[delta]", mix, json.dumps(r), flush=True)
         (out / "delta_steps.json").write_text(json.dumps(res, indent=1))
 
 

@@ -24,7 +24,7 @@
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
 #   route2      bench/route_bench.py, 9B: two workers on the one GPU with defaults, 16 agents x 60 rows, the second
 #               SIGKILLed 15 s in and a new one started in its place while the first serves (420)
-#   delta       bench/gpu_delta_steps.py: the batched delta rule's one-kernel and chunk-parallel forms on step-like
+#   delta       bench/gpu_delta_steps.py: the batched delta rule beside fla's chunked kernels on step-like
 #               mixes at the 9B shape, timed and against a float32 reference (120)
 #   batchv      bench/gpu_batch.py, 9B, 1, 4 and 16 hits, each again with the delta rule's value blocks and warps of
 #               $DELTA_VARIANTS (default 64:4,128:8), no kernel sweep (200)

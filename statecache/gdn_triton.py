@@ -236,171 +236,6 @@ def _delta_chunk(
     tl.store(o_ptr + t[:, None] * so_t + h * so_h + dv[None, :] * so_d, o.to(o_ptr.dtype.element_ty), mask=real[:, None])
 
 
-@triton.jit
-def _delta_prep_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, qt_ptr, u_ptr, o0_ptr, cu_ptr, B,
-    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, sg_t, sg_h, sb_t, sb_h, sw_t, sw_h, su_t, su_h,
-    scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    LOG_BT: tl.constexpr, BB: tl.constexpr, DOT: tl.constexpr, RAW_QK: tl.constexpr,
-):
-    """Phase one of `delta_batch`'s chunk-parallel form: program (c, h) takes the c-th chunk of the packed batch
-    (sequence b's chunks follow sequence b - 1's; past the last real chunk a program does nothing) and value head h,
-    and writes what its chunk contributes that does not depend on the state before it, float32, by token rows:
-    W = T beta kn e^cg, U = T beta v (T = (I + A)^-1), Qt = qn e^cg - att W and O0 = att U, where att is the
-    chunk's decayed causal q k^T; then u = U - W S, o = Qt S + O0 for the state S before the chunk (phase two)."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
-    # which chunk of which sequence: chunk counts per sequence, their running sum
-    ib = tl.arange(0, BB)
-    lo = tl.load(cu_ptr + ib, mask=ib < B, other=0)
-    hi = tl.load(cu_ptr + ib + 1, mask=ib < B, other=0)
-    nch = (hi - lo + BT - 1) // BT  # [BB]
-    cum = tl.cumsum(nch, 0)  # [BB] chunks up to and including sequence i
-    b = tl.sum((cum <= c).to(tl.int32), 0)  # the sequence of chunk c (B: none)
-    mine = ib == b
-    first = tl.sum(tl.where(mine, cum - nch, 0), 0)
-    bos = tl.sum(tl.where(mine, lo, 0), 0)
-    n = tl.sum(tl.where(mine, hi - lo, 0), 0)
-    j = c - first
-    L = tl.minimum(n - j * BT, BT)
-    if (b < B) & (L > 0):
-        t0 = bos + j * BT
-        t = tl.arange(0, BT)
-        real = t < L
-        ck = tl.arange(0, BK)
-        rows = t0 + t  # [T] packed token rows
-        q_ptrs = q_ptr + rows[:, None] * sq_t + hk * sq_h + ck[None, :] * sq_d  # [T, BK]
-        k_ptrs = k_ptr + rows[:, None] * sk_t + hk * sk_h + ck[None, :] * sk_d  # [T, BK]
-        g = tl.load(g_ptr + rows * sg_t + h * sg_h, mask=real, other=0.0).to(tl.float32)  # [T]
-        beta = tl.load(b_ptr + rows * sb_t + h * sb_h, mask=real, other=0.0).to(tl.float32)  # [T]
-        cg = tl.cumsum(g, 0) * LOG2E  # [T]
-        eg = tl.exp2(cg)
-        KK = tl.zeros([BT, BT], dtype=tl.float32)
-        QK = tl.zeros([BT, BT], dtype=tl.float32)
-        k_ss = tl.zeros([BT], dtype=tl.float32)
-        q_ss = tl.zeros([BT], dtype=tl.float32)
-        for i in range(DK // BK):
-            kc = tl.load(k_ptrs + i * BK * sk_d, mask=real[:, None], other=0.0)  # [T, BK]
-            qc = tl.load(q_ptrs + i * BK * sq_d, mask=real[:, None], other=0.0)
-            kf, qf = kc.to(tl.float32), qc.to(tl.float32)
-            k_ss += tl.sum(kf * kf, 1)
-            q_ss += tl.sum(qf * qf, 1)
-            if RAW_QK:
-                KK = tl.dot(kc, tl.trans(kc), KK)
-                QK = tl.dot(qc, tl.trans(kc), QK)
-            else:
-                KK = tl.dot(kf, tl.trans(kf), KK, input_precision=DOT)
-                QK = tl.dot(qf, tl.trans(kf), QK, input_precision=DOT)
-        k_rs = tl.rsqrt(k_ss + 1e-6)  # [T]
-        q_rs = tl.rsqrt(q_ss + 1e-6) * scale  # [T]
-        strict = t[:, None] > t[None, :]
-        A = KK * (beta * k_rs)[:, None] * k_rs[None, :] * tl.exp2(tl.where(strict, cg[:, None] - cg[None, :], float("-inf")))
-        low = t[:, None] >= t[None, :]
-        att = QK * q_rs[:, None] * k_rs[None, :] * tl.exp2(tl.where(low, cg[:, None] - cg[None, :], float("-inf")))
-        # (I + A)^-1 as in _delta_chunk: D inverts the diagonal blocks up to half the chunk, the top level applied
-        eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
-        D = eye - tl.where(_lower_left(t, 1), A, 0.0)
-        for lvl in tl.static_range(1, LOG_BT - 1):
-            lo_b = tl.where(_lower_left(t, 1 << lvl), A, 0.0)
-            D = D - tl.dot(tl.dot(D, lo_b, input_precision=DOT), D, input_precision=DOT)
-        top = tl.where(_lower_left(t, BT // 2), A, 0.0)
-        wk = beta * k_rs * eg  # [T] row scale of the keys' right-hand side
-        for i in range(DK // BK):
-            kf = tl.load(k_ptrs + i * BK * sk_d, mask=real[:, None], other=0.0).to(tl.float32)
-            y = tl.dot(D, kf * wk[:, None], input_precision=DOT)
-            W = y - tl.dot(D, tl.dot(top, y, input_precision=DOT), input_precision=DOT)  # [T, BK]
-            qf = tl.load(q_ptrs + i * BK * sq_d, mask=real[:, None], other=0.0).to(tl.float32)
-            Qt = qf * (q_rs * eg)[:, None] - tl.dot(att, W, input_precision=DOT)
-            col = (i * BK + ck)[None, :]
-            tl.store(w_ptr + rows[:, None] * sw_t + h * sw_h + col, W, mask=real[:, None])
-            tl.store(qt_ptr + rows[:, None] * sw_t + h * sw_h + col, Qt, mask=real[:, None])
-        cv = tl.arange(0, BV)
-        for i in range(DV // BV):
-            col = (i * BV + cv)[None, :]
-            vf = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + col * sv_d, mask=real[:, None], other=0.0).to(tl.float32)
-            y = tl.dot(D, vf * beta[:, None], input_precision=DOT)
-            U = y - tl.dot(D, tl.dot(top, y, input_precision=DOT), input_precision=DOT)  # [T, BV]
-            tl.store(u_ptr + rows[:, None] * su_t + h * su_h + col, U, mask=real[:, None])
-            tl.store(o0_ptr + rows[:, None] * su_t + h * su_h + col, tl.dot(att, U, input_precision=DOT), mask=real[:, None])
-
-
-@triton.jit
-def _delta_pass_kernel(
-    k_ptr, g_ptr, w_ptr, qt_ptr, u_ptr, o0_ptr, s_ptr, o_ptr, cu_ptr,
-    sk_t, sk_h, sk_d, sg_t, sg_h, sw_t, sw_h, su_t, su_h, ss_b, ss_h, ss_k, ss_v, so_t, so_h, so_d,
-    snap_ptr, at_ptr, ss_n, soff_ptr, keep_ptr,
-    GROUP: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    DOT: tl.constexpr, NSNAP: tl.constexpr, SRC: tl.constexpr,
-):
-    """Phase two: program (h, value slice, b) carries sequence b's state (its [DK, BV] slice in registers, as one
-    [BK, BV] tile or, with TWO, two: DK = BK or 2 BK) through its chunks in order: u = U - W S, o = Qt S + O0,
-    S <- S e^g_last + (kn e^(g_last - cg))^T u; snapshots at chunk ends, the final state to slot b unless keep[b] is
-    0 (then slot b is left as it was)."""
-    h = tl.program_id(0)
-    hk = h // GROUP
-    b = tl.program_id(2)
-    dv = tl.program_id(1) * BV + tl.arange(0, BV)
-    kk = tl.arange(0, BK)
-    t = tl.arange(0, BT)
-    bos = tl.load(cu_ptr + b)
-    n = tl.load(cu_ptr + b + 1) - bos
-    slot = s_ptr + b * ss_b + h * ss_h + kk[:, None] * ss_k + dv[None, :] * ss_v  # [BK, BV] of the first key half
-    if SRC:
-        soff = tl.multiple_of(tl.load(soff_ptr + b), 16)
-        keep = tl.load(keep_ptr + b)
-    else:
-        soff = 0
-        keep = 1
-    S0 = tl.load(slot + soff)  # [BK, BV] float32
-    if TWO:
-        S1 = tl.load(slot + soff + BK * ss_k)
-    at_b = at_ptr + b * 2 * NSNAP
-    for piece in range(0, n, BT):
-        Lc = tl.minimum(n - piece, BT)
-        real = t < Lc
-        rows = bos + piece + t
-        wrow = rows[:, None] * sw_t + h * sw_h + kk[None, :]  # [T, BK] into W and Qt
-        urow = rows[:, None] * su_t + h * su_h + dv[None, :]  # [T, BV] into U and O0
-        un = tl.load(u_ptr + urow, mask=real[:, None], other=0.0)
-        un -= tl.dot(tl.load(w_ptr + wrow, mask=real[:, None], other=0.0), S0, input_precision=DOT)
-        o = tl.load(o0_ptr + urow, mask=real[:, None], other=0.0)
-        o += tl.dot(tl.load(qt_ptr + wrow, mask=real[:, None], other=0.0), S0, input_precision=DOT)
-        krow = k_ptr + rows[:, None] * sk_t + hk * sk_h + kk[None, :] * sk_d  # [T, BK]
-        k0 = tl.load(krow, mask=real[:, None], other=0.0).to(tl.float32)
-        k_ss = tl.sum(k0 * k0, 1)
-        if TWO:
-            un -= tl.dot(tl.load(w_ptr + wrow + BK, mask=real[:, None], other=0.0), S1, input_precision=DOT)
-            o += tl.dot(tl.load(qt_ptr + wrow + BK, mask=real[:, None], other=0.0), S1, input_precision=DOT)
-            k1 = tl.load(krow + BK * sk_d, mask=real[:, None], other=0.0).to(tl.float32)
-            k_ss += tl.sum(k1 * k1, 1)
-        tl.store(o_ptr + rows[:, None] * so_t + h * so_h + dv[None, :] * so_d, o.to(o_ptr.dtype.element_ty),
-                 mask=real[:, None])
-        g = tl.load(g_ptr + rows * sg_t + h * sg_h, mask=real, other=0.0).to(tl.float32)
-        cg = tl.cumsum(g, 0) * LOG2E
-        g_last = tl.sum(tl.where(t == Lc - 1, cg, 0.0), 0)
-        kw = tl.rsqrt(k_ss + 1e-6) * tl.exp2(g_last - cg)  # [T]
-        decay = tl.exp2(g_last)
-        S0 = S0 * decay + tl.dot(tl.trans(k0 * kw[:, None]), un, input_precision=DOT)
-        if TWO:
-            S1 = S1 * decay + tl.dot(tl.trans(k1 * kw[:, None]), un, input_precision=DOT)
-        if NSNAP > 0:
-            sn = h * ss_h + kk[:, None] * ss_k + dv[None, :] * ss_v
-            end, full = piece + Lc, Lc == BT
-            for m in tl.static_range(NSNAP):
-                snp, hit = _snap_slot(at_b, m, NSNAP, end, full, snap_ptr, ss_n)
-                if hit:
-                    tl.store(snp + sn, S0)
-                    if TWO:
-                        tl.store(snp + sn + BK * ss_k, S1)
-    if n > 0:
-        mask = (tl.zeros([BK, BV], dtype=tl.int32) + keep) != 0
-        tl.store(slot, S0, mask=mask)
-        if TWO:
-            tl.store(slot + BK * ss_k, S1, mask=mask)
-
-
 def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 S: torch.Tensor, store_state: bool = True, *, block_v: int = 32, block_k: int = 64,
                 num_warps: int = 4, dot_precision: str = "tf32") -> torch.Tensor:
@@ -437,8 +272,7 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 S: torch.Tensor, cu: torch.Tensor, lmax: int, *, snap: torch.Tensor | None = None,
                 snap_at: torch.Tensor | None = None, src_off: torch.Tensor | None = None,
                 keep: torch.Tensor | None = None, block_v: int = 32, block_k: int = 64,
-                num_warps: int = 4, dot_precision: str = "tf32", parallel: bool = False,
-                pass_block_v: int = 32, pass_warps: int = 8) -> torch.Tensor:
+                num_warps: int = 4, dot_precision: str = "tf32") -> torch.Tensor:
     """delta_chunk for B packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequence b: tokens
     [cu[b], cu[b + 1]), at most lmax of them, all real), S [B, Hv, Dk, Dv] float32 (sequence b's state, updated in
     place), cu [B + 1] long on the device -> o [T, Hv, Dv] (zero for tokens of no sequence). A grid axis runs over
@@ -449,12 +283,7 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     with S[b]'s strides, anywhere in memory: nothing is copied into the slot first; every offset a multiple of 16),
     and keep [B] long says whether its final state is written to S[b] (0: only the states between its chunks, for a
     sequence whose end state nobody reads, e.g. a question's). Graph-safe: nothing per sequence is read on the
-    host.
-
-    parallel runs the chunk-parallel form
-    instead (`_delta_two_phase`): the same results, with the chain along a sequence cut to two small products per
-    chunk; a sequence's final state is then written to its slot only when kept (keep 0 leaves the slot as it was).
-    block_v, num_warps: the one-kernel form's launch knobs; pass_block_v, pass_warps: the second phase's."""
+    host."""
     T, Hk, Dk = k.shape
     Hv, Dv = v.shape[1], v.shape[2]
     B = S.shape[0]
@@ -473,10 +302,6 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     if src_off is not None:
         assert src_off.shape == (B,) and keep is not None and keep.shape == (B,), "src_off and keep: [B] each"
     o = torch.zeros((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    if parallel:  # chunk-parallel: every chunk's state-free part at once, then a short pass per sequence
-        _delta_two_phase(q, k, v, g, beta, S, cu, o, snap, snap_at, nsnap, src_off, keep, BK, dot_precision,
-                         block_v=pass_block_v, num_warps=pass_warps)
-        return o
     _delta_chunk_kernel[(Hv, Dv // BV, B)](
         q, k, v, g, beta, S, o, BT,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride()[1:], *o.stride(),
@@ -487,43 +312,3 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         num_warps=num_warps,
     )
     return o
-
-
-PREP_WARPS = 8  # the chunk-parallel form's first phase: four [T, T] float32 tiles live through the solve,
-PREP_BLOCK = 32  # over key and value slices this wide (ptxas for sm_90, 9B shape: 204 bytes of spills; 64: 848)
-PASS_KEYS = 64  # its second phase holds a state slice as [PASS_KEYS, BV] tiles (one or two: Dk <= 2 PASS_KEYS); with
-# 8 warps and BV = 32, ptxas for sm_90 (9B shape, snapshots, sources) reports 48 bytes of spills (4 warps: 1.4 KB)
-
-
-def _delta_two_phase(q, k, v, g, beta, S, cu, o, snap, snap_at, nsnap, src_off, keep, BK, dot_precision, *,
-                     block_v: int, num_warps: int) -> None:
-    """`delta_batch`'s chunk-parallel form, into o and S: `_delta_prep_kernel` over every chunk of every sequence
-    (a grid sized for the most chunks T tokens in B sequences can make, so nothing is read on the host), float32
-    workspaces of [T, Hv, Dk] twice and [T, Hv, Dv] twice, then `_delta_pass_kernel` over (head, value slice,
-    sequence)."""
-    T, Hk, Dk = k.shape
-    Hv, Dv = v.shape[1], v.shape[2]
-    B = S.shape[0]
-    BT = MAX_TOKENS
-    BV = min(block_v, Dv)
-    assert Dk <= 2 * PASS_KEYS, f"the chunk-parallel form takes key heads up to {2 * PASS_KEYS} wide, got {Dk}"
-    W = torch.empty((T, Hv, Dk), dtype=torch.float32, device=v.device)
-    Qt = torch.empty_like(W)
-    U = torch.empty((T, Hv, Dv), dtype=torch.float32, device=v.device)
-    O0 = torch.empty_like(U)
-    raw = q.is_cuda and q.element_size() == 2
-    _delta_prep_kernel[(triton.cdiv(T, BT) + B, Hv)](
-        q, k, v, g, beta, W, Qt, U, O0, cu, B,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *W.stride()[:2], *U.stride()[:2],
-        Dk**-0.5,
-        GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=min(PREP_BLOCK, Dk), BV=min(PREP_BLOCK, Dv), BT=BT, LOG_BT=BT.bit_length() - 1,
-        BB=max(2, triton.next_power_of_2(B)), DOT=dot_precision, RAW_QK=raw, num_warps=PREP_WARPS,
-    )
-    _delta_pass_kernel[(Hv, Dv // BV, B)](
-        k, g, W, Qt, U, O0, S, o, cu,
-        *k.stride(), *g.stride(), *W.stride()[:2], *U.stride()[:2], *S.stride(), *o.stride(),
-        S if snap is None else snap, cu if snap_at is None else snap_at, 0 if snap is None else snap.stride(0),
-        cu if src_off is None else src_off, cu if keep is None else keep,
-        GROUP=Hv // Hk, BK=min(Dk, PASS_KEYS), TWO=Dk > PASS_KEYS, BT=BT, BV=BV, DOT=dot_precision, NSNAP=nsnap,
-        SRC=src_off is not None, num_warps=num_warps, num_stages=1,
-    )

@@ -53,8 +53,7 @@ def test_conv_batch(lens, pad):
 
 @pytest.mark.parametrize("lens,pad", LENS)
 @pytest.mark.parametrize("Hk,Hv", [(2, 4), (2, 2)])
-@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one-kernel"])
-def test_delta_batch(lens, pad, Hk, Hv, parallel):
+def test_delta_batch(lens, pad, Hk, Hv):
     g = torch.Generator().manual_seed(2)
     cu, T = _cu(lens, pad)
     Dk, Dv = (64 if CUDA else 16), 32  # on CUDA 33..64-token launches need 64-wide key slices (delta_batch refuses less)
@@ -64,7 +63,7 @@ def test_delta_batch(lens, pad, Hk, Hv, parallel):
     beta = torch.rand(T, Hv, generator=g).to(DEV)
     S = torch.randn(len(lens), Hv, Dk, Dv, generator=g).to(DEV)
     S_ref = S.clone()
-    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), dot_precision="ieee", parallel=parallel)
+    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), dot_precision="ieee")
     ref = REF.delta(q, k, v, gate, beta, S_ref, cu, max(lens), lens)
     assert (o - ref).abs().max().item() < TOL
     assert (S - S_ref).abs().max().item() < TOL
@@ -114,34 +113,6 @@ def test_delta_batch_snapshots():
     assert (snap[5] == 7.0).all()  # a slot nobody asked for is left alone
 
 
-def test_delta_batch_wide_keys():
-    """The chunk-parallel form with key heads wider than its pass's tile (Dk 128: two [64, BV] tiles of the state),
-    grouped heads, snapshots and sources, against the one-sequence reference."""
-    from statecache.batch import Snaps
-
-    g = torch.Generator().manual_seed(8)
-    lens, Hk, Hv, Dk, Dv = [130, 3], 1, 2, 128, 16
-    cu, T = _cu(lens, 2)
-    q, k = (torch.randn(T, Hk, Dk, generator=g).to(DEV) for _ in range(2))
-    v = torch.randn(T, Hv, Dv, generator=g).to(DEV)
-    gate = (-torch.rand(T, Hv, generator=g) * 0.5).to(DEV)
-    beta = torch.rand(T, Hv, generator=g).to(DEV)
-    own = torch.randn(len(lens), Hv, Dk, Dv, generator=g).to(DEV)
-    S = torch.full_like(own, 5.0)
-    off = ((own.data_ptr() - S.data_ptr()) // S.element_size()) + torch.zeros(len(lens), dtype=torch.long)
-    keep = torch.tensor([1, 0])
-    at = torch.tensor([[[64, 0], [128, 1], [0, -1]], [[0, -1]] * 3])
-    snap = torch.zeros(2, Hv, Dk, Dv).to(DEV)
-    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), snap=snap, snap_at=at.to(DEV),
-                               src_off=off.to(DEV), keep=keep.to(DEV), dot_precision="ieee", parallel=True)
-    S_ref, snap_ref = own.clone(), torch.zeros_like(snap)
-    ref = REF.delta(q, k, v, gate, beta, S_ref, cu, max(lens), lens,
-                    (snap_ref, Snaps(at, torch.zeros(1), [[(64, 0), (128, 1)], []])))
-    assert (o - ref).abs().max().item() < TOL
-    assert (S[0] - S_ref[0]).abs().max().item() < TOL and (S[1] == 5.0).all()
-    assert (snap - snap_ref).abs().max().item() < TOL
-
-
 def _sourced_inputs(lens, pad, seed):
     """Delta-rule inputs of packed sequences of these lengths, each sequence's state in a tensor of its own (`own`),
     slots S filled with 5.0 and the element offsets `off` of each state from its slot."""
@@ -162,27 +133,24 @@ def _sourced_inputs(lens, pad, seed):
 
 
 @pytest.mark.parametrize("lens,pad", LENS)
-@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one-kernel"])
-def test_delta_batch_sources(lens, pad, parallel):
+def test_delta_batch_sources(lens, pad):
     """Sequences continuing from states in their own tensors (src_off: nothing copied into the slots first) give what
-    the same states copied into the slots give; keep=1 writes the final state to the slot, keep=0 does not (the
-    one-kernel form still writes the states between a longer sequence's chunks there, the chunk-parallel form
-    leaves the slot as it was)."""
+    the same states copied into the slots give; keep=0 leaves a slot's final state unwritten (a sequence longer than a
+    chunk still writes the states between its chunks there), keep=1 writes it; snapshots are kept either way."""
     cu, T, B, (q, k, v, gate, beta), own, S, off = _sourced_inputs(lens, pad, 9)
     S_copy = torch.stack(own)
     o_copy = gdn_triton.delta_batch(q, k, v, gate, beta, S_copy, cu, max(lens), dot_precision="ieee")
     keep = torch.tensor([b % 2 for b in range(B)], dtype=torch.long, device=DEV)
     before = [x.clone() for x in own]
-    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), src_off=off, keep=keep, dot_precision="ieee",
-                               parallel=parallel)
+    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), src_off=off, keep=keep, dot_precision="ieee")
     assert (o - o_copy).abs().max().item() < TOL
     for b, n in enumerate(lens):
         assert (own[b] - before[b]).abs().max().item() == 0  # the sources are only read
-        if n == 0 or (not keep[b] and (parallel or n <= 64)):
-            assert (S[b] == 5.0).all(), b  # nothing ran, or its end state is not wanted
+        if n == 0 or (not keep[b] and n <= 64):
+            assert (S[b] == 5.0).all(), b  # nothing ran, or its one chunk's end state is not wanted
         elif keep[b]:
             assert (S[b] - S_copy[b]).abs().max().item() < TOL, b
-        else:  # the one-kernel form, several chunks, final state not kept: the slot holds the state before the last
+        else:  # several chunks, final state not kept: the slot holds the state before its last chunk
             assert not (S[b] == 5.0).all() and (S[b] - S_copy[b]).abs().max().item() > TOL, b
 
 

@@ -75,8 +75,8 @@ def test_graph_cached_rows_match_plain_bf16(kernels):
     assert [r["path"] for r in got] == ["cold", "hit", "hit"], ([r.get("path") for r in got], eng.phases, eng.counts,
                                                                   eng.cache.stats)
     want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows])
-    for r, p in zip(got, want):
-        assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 1e-2
+    for r, p in zip(got, want):  # two bf16 paths (the step's graphs, the plain path), as in the mixed-steps test
+        assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 2e-2
 
 
 def test_graph_cached_image_rows_match_plain_bf16(kernels):
