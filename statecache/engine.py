@@ -69,6 +69,15 @@ def load_tokenizer(model_dir):
 
 
 MEMORY_CHECK_S = 2.0  # how often a step re-checks the device's free memory (statecache.budget.rebudget)
+# how long memory given back must stay free before the budget grows into it: a worker started in place of one that
+# died (a rolling restart, a crash loop's next try) loads its weights and sizes its cache within about a minute
+# (57 s with warm compile caches on an H100, bench/README.md); a survivor growing at once took that memory and the
+# new worker refused to start (s41_run3)
+GROW_AFTER_S = 120.0
+
+
+def _now() -> float:
+    return time.monotonic()
 
 
 class Engine:
@@ -177,7 +186,8 @@ class Engine:
         largest = max(plain_tokens, max_row_tokens) if self.others_warm else self.cache.batch.max_tokens
         self.budget = self._size_cache(settings, auto_budget, cache_fraction, largest)
         self.budget_at_start = self.budget
-        self.memory = {"rechecks": 0, "shrunk": 0, "grown": 0}  # the budget re-checked while serving
+        self.memory = {"rechecks": 0, "shrunk": 0, "grown": 0, "grow_deferred": 0}  # the budget re-checked while serving
+        self._grow_since: float | None = None  # when the free memory first allowed a larger budget (recheck_memory)
         self._recheck_at = 0.0
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
@@ -758,7 +768,8 @@ class Engine:
     def recheck_memory(self) -> int:
         """Re-size the cache's budget from the device's free memory now (statecache.budget.rebudget; CUDA, budget
         sized from the device): another process taking memory shrinks it, and what it no longer holds leaves the
-        device (to the host tier where there is one) and goes back to the driver; memory given back grows it.
+        device (to the host tier where there is one) and goes back to the driver; memory given back grows it once it
+        has stayed free for GROW_AFTER_S (a worker starting in a dead one's place gets it first).
         Returns the budget in MiB."""
         if self._reserved0 is None:
             return self.budget.mb
@@ -767,7 +778,17 @@ class Engine:
         now = self.budget.mb
         self.memory["rechecks"] += 1
         if abs(mb - now) <= now // 50:  # within 2%: not worth a change
+            self._grow_since = None
             return now
+        if mb > now:  # memory given back: grown into only once it has stayed free for GROW_AFTER_S
+            if self._grow_since is None:
+                self._grow_since = _now()
+                self.memory["grow_deferred"] += 1
+                log.info("device memory free now %.0f MiB: the state cache's budget stays at %d MiB for %.0f s "
+                         "(a worker starting beside this one may take it)", free / 2**20, now, GROW_AFTER_S)
+            if _now() - self._grow_since < GROW_AFTER_S:
+                return now
+        self._grow_since = None
         index = self.cache.index
         index.budget_bytes = mb * 2**20
         self.cache.s.mb = mb

@@ -123,7 +123,7 @@ def test_check_fits_names_what_is_needed_and_what_was_found():
 def test_engine_shrinks_its_budget_when_another_process_takes_device_memory(monkeypatch):
     """The engine's re-check as it runs on CUDA, on the CPU: the free-memory figure is the test's. The budget shrinks
     by what the other process took, the cache moves what no longer fits to the host tier, rows still answer as the
-    uncached forward does, and the budget grows back when the memory is given back."""
+    uncached forward does, and the budget grows back when the memory given back has stayed free for GROW_AFTER_S."""
     import dataclasses
 
     import statecache.engine as E
@@ -156,6 +156,18 @@ def test_engine_shrinks_its_budget_when_another_process_takes_device_memory(monk
     res = [got2[i] for i in range(4)]
     assert all(r["path"] == "hit" for r in res), [r["path"] for r in res]
     check(eng, again, res)
-    free[0] = 64 * 2**20  # given back
+    clock = [1000.0]
+    monkeypatch.setattr(E, "_now", lambda: clock[0])
+    free[0] = 64 * 2**20  # given back: not taken at once (a worker starting in a dead one's place may want it)
+    assert eng.recheck_memory() == 2 and eng.stats()["budget_rechecks"]["grow_deferred"] == 1
+    clock[0] += E.GROW_AFTER_S / 2
+    free[0] = 32 * 2**20  # taken again (the new worker came up): the wait starts over
+    assert eng.recheck_memory() == 2
+    free[0] = 64 * 2**20
+    clock[0] += E.GROW_AFTER_S / 2
+    assert eng.recheck_memory() == 2 and eng.stats()["budget_rechecks"]["grow_deferred"] == 2
+    clock[0] += E.GROW_AFTER_S - 1
+    assert eng.recheck_memory() == 2 and eng.stats()["budget_rechecks"]["grown"] == 0
+    clock[0] += 1  # free for GROW_AFTER_S: grown into
     assert eng.recheck_memory() == 4 and eng.stats()["budget_rechecks"]["grown"] == 1
     assert eng.recheck_memory() == 4 and eng.stats()["budget_rechecks"]["rechecks"] >= 3  # the steps re-check too
