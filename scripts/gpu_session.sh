@@ -23,7 +23,7 @@
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
 #   route2      bench/route_bench.py, 9B: two workers on the one GPU with defaults, 16 agents x 60 rows, the second
-#               SIGKILLed 15 s in and a new one started in its place while the first serves (420)
+#               SIGKILLed 10 s in and a new one started in its place while the first serves (420)
 #   delta       bench/gpu_delta_steps.py: the batched delta rule beside fla's chunked kernels on step-like
 #               mixes at the 9B shape, timed and against a float32 reference (120)
 #   batchv      bench/gpu_batch.py, 9B, 1, 4 and 16 hits, each again with the delta rule's value blocks and warps of
@@ -98,7 +98,7 @@ run_step() {
                   >"$dir/log.txt" 2>&1 ;;
         route2) [ -f /tmp/ck9b/config.json ] || python3 bench/random_checkpoint.py /tmp/ck9b --shape 9B >"$dir/ckpt.txt" 2>&1
                 timeout "$limit" python3 bench/route_bench.py --model /tmp/ck9b --workers 2 --agents 16 --rows-per-agent 60 \
-                  --kill-after-s 15 --replace --out "$dir" >"$dir/log.txt" 2>&1 ;;
+                  --kill-after-s 10 --replace --out "$dir" >"$dir/log.txt" 2>&1 ;;
         delta) timeout "$limit" python3 bench/gpu_delta_steps.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
         batchv) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts "${BATCH_COUNTS:-1,4,16}" --no-kernel-sweep \
                   --delta-variants "${DELTA_VARIANTS:-64:4,128:8}" >"$dir/log.txt" 2>&1 ;;
