@@ -12,6 +12,8 @@ import io
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from statecache import images as images_mod
@@ -214,6 +216,62 @@ def test_one_batch_groups_image_rows_by_image(make, ref):
     check(eng, ref, rows, res)
     assert sorted(r["path"] for r in res) == ["cold", "cold", "hit", "hit"]
     assert eng.embeddings.stats["vision_runs"] == 2
+
+
+_SHOTS = [png(60), png(61), png(62, 16, 28)]
+
+
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@given(data=st.data(), step_tokens=st.sampled_from([96, 320, 2048]), step_chunk=st.sampled_from([64, 192]),
+       mb=st.sampled_from([1, 64]))
+def test_random_waves_of_image_and_text_rows_through_the_step(make, ref, data, step_tokens, step_chunk, mb):
+    """Waves of rows (a state with a screenshot asked again, grown after it, another screenshot at the same place, a
+    new state with or without images, a text row), each wave submitted and a few steps run before the next comes, on
+    random step budgets, chunk sizes and cache budgets: every row is answered once, through the step loop, as
+    transformers answers it (float32, 1e-4), and the cache stays inside its budget."""
+    eng = make(step_tokens=step_tokens, step_chunk=step_chunk,
+               settings=CacheSettings(min_prefix=64, stride=192, mb=mb))
+    states: list[tuple[str, int]] = []  # (state text, screenshot index)
+    rows, got = [], {}
+    waves = data.draw(st.lists(st.tuples(st.lists(st.sampled_from(["again", "grow", "other", "new", "text"]),
+                                                  min_size=1, max_size=3), st.integers(0, 2)), min_size=1, max_size=3))
+    for wave, steps in waves:
+        batch = []
+        for op in wave:
+            k = len(rows) + len(batch)
+            if op == "text":
+                batch.append({"state": WORDS * (2 + k % 3), "questions": [q(f"Text {k}?", 2 + k % 3)]})
+                continue
+            if op == "new" or not states:
+                states.append((f"{WORDS * (1 + k % 3)}{PLACEHOLDER}{WORDS * 2}", k % len(_SHOTS)))
+            state, shot = states[data.draw(st.integers(0, len(states) - 1))]
+            if op == "grow":
+                state += "clicked the next field; " * (4 + k % 5)
+                states.append((state, shot))
+            elif op == "other":
+                shot = (shot + 1) % len(_SHOTS)
+            batch.append({"state": state, "questions": [q(f"Question {k}?", 2 + k % 3)], "images": [_SHOTS[shot]]})
+        tags = list(range(len(rows), len(rows) + len(batch)))
+        rows += batch
+        for tag, res in eng.submit(batch, tags):
+            assert tag not in got
+            got[tag] = res
+        for _ in range(steps):
+            for tag, res in eng.step():
+                assert tag not in got
+                got[tag] = res
+    while eng.pending():
+        for tag, res in eng.step():
+            assert tag not in got
+            got[tag] = res
+    assert sorted(got) == list(range(len(rows)))
+    res = [got[i] for i in range(len(rows))]
+    check(eng, ref, rows, res)
+    for r in res:
+        event(r["path"])
+    assert eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0  # everything through the step loop
+    assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
 
 
 # ---- bad image inputs ---------------------------------------------------------------------------------------------
