@@ -8,8 +8,8 @@ The float32 reference is statecache's own forward in float32 with its torch refe
 in float32, SDPA in float32), which equals transformers' float32 forward within 1e-4 on the CPU (tests/test_oracle.py);
 it avoids fla's float32 autotuning on the GPU (minutes).
 
-New states plant as the engine plants a lone one (`--plant graph`: statecache.plant.PlantGraph, the per-chunk states
-of fla's kernels) or as a batch of them no graph holds (`--plant packed`: the packed forward, the delta rule split).
+New states plant through the plain path's packed forward (the delta rule split at the checkpoints); hits run through
+the chunk runner (the paths before the step loop: the step loop's agreement is `statecache score`'s).
 Rows: `--states` states of 2048..4096 tokens (multiples of 64), each asked `--questions` questions of 64 tokens
 (the first cold, the rest hits), and one grown row per state (64 more state tokens: a partial row). Answers at two
 slots (4 and 7 options). Prints "[agree]" lines; writes agree32.json under --out.
@@ -67,8 +67,6 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--shape", default="9B", help="a released shape, or tiny (with --device cpu: a check of the script)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--plant", choices=("graph", "packed"), default="graph",
-                    help="new states planted by the planting graph (the engine's form on CUDA) or the packed forward")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -86,13 +84,7 @@ def main() -> None:
     if dev == "cuda":
         m16.compile_elementwise()
     ref32 = PlainPath(m32, TorchKernels(), graphs=False, pad=False)
-    if args.plant == "graph" and dev == "cuda":  # a lone new state's planting graph, the engine's form on CUDA
-        plain16 = PlainPath(m16, fk)
-        if plain16.planter is None:
-            raise SystemExit("no planting graphs here (fla's per-chunk states failed their check)")
-    else:  # packed, as a batch of new states no planting graph holds runs (and plants)
-        plain16 = PlainPath(m16, fk, graphs=False, pad=False)
-    res_plant = "graph" if plain16.planter is not None and plain16.use_graphs else "packed"
+    plain16 = PlainPath(m16, fk, graphs=False, pad=False)  # packed: a new state plants from its forward
     cache = StateCache(ChunkRunner(m16, fk, max_pos=8192, max_slots=4), CacheSettings(mb=32768, min_prefix=256))
     say("models built")
     V = cfg.vocab_size
@@ -105,11 +97,9 @@ def main() -> None:
             rows.append((state + rnd(64), len(state), "cold" if q == 0 else "hit"))
         grown = state + rnd(64)
         rows.append((grown + rnd(64), len(grown), "grown"))
-    res: dict = {"shape": args.shape, "plant": res_plant, "rows": []}
+    res: dict = {"shape": args.shape, "plant": "packed", "rows": []}
     for ids, state_len, kind in rows:
         slots, nopts = [len(ids) - 1, len(ids) - 9], [4, 7]
-        if kind == "cold" and res_plant == "graph":
-            plain16.planter.capture(len(ids), len(slots), (4,))
         if kind == "cold":
             outs, planted = plain16.run([(ids, slots, nopts)], [cache.plan(state_len)])
             pl = planted[0]

@@ -15,9 +15,6 @@
 #   load1664    16 then 64 agents, no score or transformers (420); @PROFILE_S=S profiles the worker S seconds after each
 #   load64      64 agents only, no score or transformers (400)
 #   load16score 16 agents, then score; no transformers (480)
-#   plant       bench/gpu_plant.py, 9B: a lone new state through the planting graph against the plain graph (260)
-#   plantg      bench/gpu_plant.py --graph-only: planting graph against the plain graph at several lengths, timed
-#               alternately (200)
 #   score       statecache score alone (load_bench --skip-worker), 60 timed rows with --timings (400)
 #   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB (60)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
@@ -35,7 +32,6 @@
 #               beside it slows a thread that launches and waits for GPU work (120)
 #   tests       pytest tests/test_gpu.py and the Triton kernel tests (240)
 #   tests_gpu   pytest tests/test_gpu.py alone (240)
-#   tests_plant pytest tests/test_gpu.py's planting-graph tests only (240: 120 s did not cover their compilation)
 #   tests_steps pytest tests/test_gpu.py's tests of rows through the step loop (mixed steps, images, specialists,
 #               options, the host tier), each failure printed as it happens (240)
 # Environment passed on: STATECACHE_* (e.g. STATECACHE_CACHE_MB). Compile caches go to $STATECACHE_HOME
@@ -85,9 +81,6 @@ run_step() {
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s "${PROFILE_S:-0}" >"$dir/log.txt" 2>&1 ;;
         load64) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 64 \
                   --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
-        plant) timeout "$limit" python3 bench/gpu_plant.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
-        plantg) timeout "$limit" python3 bench/gpu_plant.py --out "$dir" --graph-only \
-                  --lengths "${PLANT_LENGTHS:-2432,3008,4096}" >"$dir/log.txt" 2>&1 ;;
         score) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --skip-worker \
                   --score-rows 60 --score-warmup 20 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         packcache) (cd "$STATECACHE_HOME" && du -sh compile && tar czf - compile | split -b 15M -d - "$OUT/cc.tgz.") \
@@ -112,8 +105,6 @@ run_step() {
         tests_gpu) timeout "$limit" python3 -m pytest -q -p no:cacheprovider --instafail tests/test_gpu.py >"$dir/log.txt" 2>&1 ;;
         tests_steps) timeout "$limit" python3 -m pytest -q -p no:cacheprovider --instafail tests/test_gpu.py \
                   -k "steps_mix or image_rows or specialists or options or host_tier or cached_rows" >"$dir/log.txt" 2>&1 ;;
-        tests_plant) timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "planting_graph" \
-                  >"$dir/log.txt" 2>&1 ;;
         *) echo "gpu_session: no step '$name'" | tee "$dir/log.txt"; return ;;
     esac
     rc=$?
@@ -124,7 +115,7 @@ run_step() {
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [plantg]=200 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_plant]=240 [tests_steps]=240 [tests_gpu]=240 [plant]=260 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}

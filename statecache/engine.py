@@ -86,7 +86,7 @@ class Engine:
                  max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
                  specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
-                 auto_budget: bool | None = None, plant_graphs: bool | None = None, step_tokens: int = BUDGET_TOKENS,
+                 auto_budget: bool | None = None, step_tokens: int = BUDGET_TOKENS,
                  step_chunk: int = CHUNK_TOKENS):
         if model_dir is None:
             from .tiny import tiny_model_dir
@@ -146,7 +146,7 @@ class Engine:
         self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
         # the step loop (statecache.step) runs every row, image rows and specialists included, where the batched
         # runner runs (its snapshots sit on its 64-token chunks, so the cache's checkpoints must too). The engine's
-        # other paths (the chunk runner, statecache.plain and its planting graphs) then serve only rows a step gave
+        # other paths (the chunk runner, statecache.plain) then serve only rows a step gave
         # back (`retry`): start-up captures and warms them only where there is no step loop; else they capture on
         # first use, and the largest forward the device must leave room for is the step's.
         step_loop = self.cache.batch is not None and self.cache.s.align % CHUNK == 0
@@ -161,19 +161,11 @@ class Engine:
             if self.cache.batch is not None:
                 info["batch"] = self.cache.batch.precapture()
                 log.info("precaptured %d batch graphs in %.1f s", info["batch"]["graphs"], info["batch"]["seconds"])
-        # plant_graphs: new states through statecache.plant.PlantGraph (default: where CUDA graphs are used; True on
-        # the CPU runs its forward eagerly, the tests' form). The one place that decides whether its graphs advance a
-        # state to a position off the 64-token chunks (a cost to every new page): only a cache aligned to less needs it
         self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
-                               specialists=self.specialists, plant_graphs=plant_graphs,
-                               plant_unaligned=self.cache.s.align % 64 != 0)
+                               specialists=self.specialists)
         if self.precapture_info is not None and self.others_warm:
             self.precapture_info["packed_warmup_s"] = self._warm_packed()
-            # short lone rows' graphs, and the planting graphs of every length a new state can have
-            self.precapture_info["plain"] = info = self.plain.precapture(plant_from=self.cache.s.min_prefix)
-            if "planting" in info:
-                log.info("precaptured %d planting graphs in %.1f s (new states of %d-%d tokens)", info["planting"]["graphs"],
-                         info["planting"]["seconds"], self.cache.s.min_prefix, self.plain.planter.max_tokens)
+            self.precapture_info["plain"] = self.plain.precapture()  # short lone rows' graphs
         if self.precapture_info is not None:
             self.plain.capture_on_demand = False  # nothing is captured while serving (other lone rows run packed)
         # image rows: the vision tower loads before the cache's budget is sized from the memory left
@@ -195,8 +187,8 @@ class Engine:
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
         # wall seconds and rows per phase (the GPU is synchronised at the end of each, so these are where the engine's
         # time goes): the step loop's steps (step_*: rows it finished), and the other paths' phases of `_run`
-        self.phases = {**{f"{k}_{u}": 0 for k in ("step", "batched", "packed", "graph", "one_by_one") for u in ("s", "rows")},
-                       "step_cpu_s": 0, "steps": 0, "packed_cpu_s": 0, "graph_cpu_s": 0}
+        self.phases = {**{f"{k}_{u}": 0 for k in ("step", "batched", "packed", "one_by_one") for u in ("s", "rows")},
+                       "step_cpu_s": 0, "steps": 0, "packed_cpu_s": 0}
         self.steps = None
         if step_loop:
             self.steps = Steps(self.cache, self.cache.batch, self.cold_ok, budget_tokens=step_tokens,
@@ -455,8 +447,8 @@ class Engine:
            grown state (it plants the state's end);
         2. a second batched call for the rows behind grown states (now hits);
         3. the plain path's forwards for the rows the cache cannot take and the first row of each new state the
-           cold_ok policy lets plant (it plants): each new state alone through its planting graph where it has one,
-           in arrival order, the rest packed (`PlainPath.forwards`); each forward's answers are handed back when it
+           cold_ok policy lets plant (it plants): packed in arrival order (`PlainPath.forwards`); each forward's
+           answers are handed back when it
            ends, and the rows behind its new states run batched right after it (now hits);
         4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
         groups, plain = self._groups(todo)
@@ -667,7 +659,7 @@ class Engine:
     def _plain(self, items, results, planting=(), follow=None) -> list:
         """The plain path's forwards (statecache.plain) of `items` (nothing planted) and of `planting` (the first rows
         of new states: their checkpoints are planted, their path is "cold"), one forward at a time in the order
-        `PlainPath.forwards` gives (a new state with a planting graph alone, in arrival order; the rest packed), each
+        `PlainPath.forwards` gives (packed in arrival order), each
         forward's answers handed back as soon as it ends. follow: memo key of a planting row -> the rows behind it,
         run batched right after their state is planted. Returns the rows those batched calls left."""
         unique: OrderedDict = OrderedDict()
@@ -698,7 +690,6 @@ class Engine:
         """One forward of the plain path: entries (memo key, (row, result indices, plants)); a failure fails only
         its rows."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        by_graph = self.plain.stats.get("planting_graph_rows", 0)
         try:
             outs, planted = self.plain.run(rows, plans)
         except RowError as e:  # an image that decoded when checked but not now: the rows of this forward fail
@@ -712,8 +703,7 @@ class Engine:
                 for i in idx:
                     results[i] = self._error("internal", f"{type(e).__name__}: {e}")
             return
-        # a new state's planting graph ("graph") or a packed forward ("packed")
-        self._phase("graph" if self.plain.stats.get("planting_graph_rows", 0) > by_graph else "packed", len(entries), t0, c0)
+        self._phase("packed", len(entries), t0, c0)
         for (key, (row, idx, plant)), (probs, route), pl in zip(entries, outs, planted):
             if plant:
                 try:
@@ -734,7 +724,7 @@ class Engine:
 
     def gpu_wait_s(self) -> float:
         """Seconds this engine's thread has spent blocked waiting for the GPU to finish forwards whose answers it reads
-        (the chunk runner's, the batched runner's, the planting graphs'; not the plain path's other forwards) since
+        (the chunk runner's, the batched runner's; not the plain path's packed forwards) since
         start-up: a row's time less this is its host work."""
         parts = [self.runner.stats, self.plain.stats] + ([self.cache.batch.stats] if self.cache.batch is not None else [])
         return sum(p.get("gpu_wait_s", 0.0) for p in parts)

@@ -27,7 +27,7 @@ _SIDE: dict = {}
 def side_stream() -> "torch.cuda.Stream":
     """The one stream every capture's warm-up runs on (per device). The caching allocator keeps freed blocks for
     reuse on the stream that used them: a new side stream per capture left each capture's warm-up memory reserved
-    for good (63 planting graphs of up to 8k tokens held ~60 GiB that the cache's budget then lacked)."""
+    for good (63 graphs of up to 8k tokens, in session 10, held ~60 GiB that the cache's budget then lacked)."""
     dev = torch.cuda.current_device()
     if dev not in _SIDE:
         _SIDE[dev] = torch.cuda.Stream()

@@ -15,10 +15,6 @@ Shapes (T = packed tokens, B = sequences, cu = int32 cumulative lengths [B+1]):
   (a continuation prepends its saved inputs itself).
 - delta(q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g, beta [1, T, Hv], init [B, Hv, Dk, Dv] f32 | None, cu)
   -> (o [1, T, Hv, Dv], final [B, Hv, Dk, Dv] f32); q and k are L2-normalised inside; GVA when Hv > Hk.
-- delta_states(q, k, v, g, beta, at [M] long) -> (o as delta's, states [M, Hv, Dk, Dv] f32): one sequence from the
-  empty state, also giving the state at the start of chunks at[m] (after at[m] * 64 tokens); no host sync, so a
-  CUDA graph can hold it with `at` as data (fla: the per-chunk states its chunked kernels compute anyway, kept in
-  the model dtype as fla keeps them, then widened).
 - attend_packed(q [T, Hq, D], k, v [T, Hkv, D], cu, max_len, scale) -> [T, Hq, D], causal within each sequence.
 - conv_into(x [L, C], w, tail [W - 1, C], real (long scalar tensor)) -> [L, C]: one chunk of one sequence
   continuing from its saved inputs `tail`, which become the last W - 1 real inputs (in place).
@@ -123,21 +119,6 @@ class TorchKernels:
         S.copy_(S1[0])
         return o[0]
 
-    def delta_states(self, q, k, v, g, beta, at):
-        """One sequence from the empty state, as `delta` (q, k [1, T, Hk, Dk], ...), also keeping states: at [M] long
-        chunk indices -> (o [1, T, Hv, Dv], states [M, Hv, Dk, Dv] float32), states[m] being the state after the
-        first at[m] * 64 tokens (the start of chunk at[m]; every at[m] < ceil(T / 64))."""
-        rep = v.shape[2] // k.shape[2]
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        starts: list = []
-        o, _ = delta_rule_reference(q[0], k[0], v[0], g[0], beta[0], None, starts=starts)
-        return o[None].to(v.dtype), torch.stack(starts).index_select(0, at.to(q.device))
-
-    def states_ok(self, dtype=None) -> bool:
-        """`delta_states` is the reference itself here."""
-        return True
-
     def attend_packed(self, q, k, v, cu, max_len: int, scale: float):
         bounds = cu.tolist()
         outs = []
@@ -209,7 +190,6 @@ class FlaKernels(TorchKernels):
 
         self._conv = causal_conv1d
         self._gdr = chunk_gated_delta_rule
-        self._states_ok: bool | None = None  # states_ok's answer, once checked
         self._varlen_memo: deque = deque(maxlen=64)  # (offsets tensor, fla's varlen arguments): see _fla_varlen
         try:
             from torch.nn.attention.varlen import varlen_attn
@@ -293,52 +273,6 @@ class FlaKernels(TorchKernels):
         o, S = self._gdr(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True,
                          use_qk_l2norm_in_kernel=True, **self._fla_varlen(cu))
         return o, S
-
-    def delta_states(self, q, k, v, g, beta, at):
-        """fla's chunked delta rule (the forward of `chunk_gated_delta_rule` with the in-kernel L2 norm), composed
-        from its own steps so that the per-chunk states h it computes anyway come out: states = h[at] in float32
-        (fla keeps h in the inputs' dtype). Checked against `delta` once (`states_ok`)."""
-        from fla.modules.l2norm import l2norm_fwd
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-        from fla.ops.common.chunk_o import chunk_fwd_o
-        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-
-        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-        q, _ = l2norm_fwd(q)
-        k, _ = l2norm_fwd(k)
-        g = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2)
-        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=None, output_final_state=False,
-                                                   chunk_size=64)
-        o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=k.shape[-1] ** -0.5, chunk_size=64)
-        return o, h[0].index_select(0, at).float()
-
-    def states_ok(self, dtype=torch.bfloat16) -> bool:
-        """Does `delta_states` give `delta`'s output, and at each chunk start the final state of `delta` over the
-        tokens before it (within the model dtype's rounding of the state)? Checked once, at the 9B shape's heads;
-        any failure (fla's internals moved) turns the planting graphs off."""
-        if self._states_ok is None:
-            try:
-                gen = torch.Generator(device="cuda").manual_seed(0)
-                T, Hk, Hv, D = 200, 2, 4, 128
-                r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-                q, k = r(1, T, Hk, D).to(dtype), r(1, T, Hk, D).to(dtype)
-                v = r(1, T, Hv, D).to(dtype)
-                g = -torch.rand(1, T, Hv, device="cuda", generator=gen) * 0.1
-                beta = torch.rand(1, T, Hv, device="cuda", generator=gen).to(dtype)
-                at = torch.tensor([1, 3, 2], device="cuda")
-                o, st = self.delta_states(q, k, v, g, beta, at)
-                o_ref, _ = self.delta(q, k, v, g, beta)
-                ok = (o.float() - o_ref.float()).abs().max().item() <= 2e-2 * o_ref.float().abs().max().item()
-                for m, c in enumerate(at.tolist()):
-                    _, S = self.delta(q[:, : 64 * c], k[:, : 64 * c], v[:, : 64 * c], g[:, : 64 * c], beta[:, : 64 * c])
-                    ok = ok and (st[m] - S[0]).abs().max().item() <= 1e-2 * S.abs().max().item()
-                self._states_ok = bool(ok)
-            except Exception:  # noqa: BLE001 - any refusal: no planting graphs
-                self._states_ok = False
-        return self._states_ok
 
     def conv_into(self, x, w, tail, real):
         if self.short_kernels and x.shape[0] <= self._conv_chunk_max and x.stride(1) == 1:

@@ -8,12 +8,9 @@ Two forms:
   first use into one shared pool (or, by an engine that precaptures, at start-up for short rows only:
   `precapture`; then a shape without a graph runs packed), so a lone uncached row pays no Python or launch overhead.
   A shape that fails to capture is remembered and that row runs packed instead.
-- planting, lone: a row that leaves checkpoints runs alone through statecache.plant.PlantGraph (its forward as
-  CUDA graphs per padded length, captured by `precapture`, the checkpoints' positions as data; `between` runs
-  between its pieces) whenever that can hold it; otherwise it is packed with the others (statecache.plant.PlantMixer
-  splits the delta rule at its positions). `forwards` says which rows go together.
-A row with images (a fourth item: its statecache.vision.RowImages) always runs packed (never single, never through
-PlantGraph): its tokens take their multimodal positions and, at the image tokens, the vision tower's
+- planting: a row that leaves checkpoints is packed with the others (statecache.plant.PlantMixer splits the delta
+  rule at its positions). `forwards` says which rows go together.
+A row with images (a fourth item: its statecache.vision.RowImages) always runs packed (never single): its tokens take their multimodal positions and, at the image tokens, the vision tower's
 embeddings; the other rows in the same forward keep their 1-D positions (expanded to three equal rows). It may
 leave checkpoints like any other (statecache.plant.PlantMixer splits only the delta rule; the attention K/V it
 keeps are rotated with the row's own multimodal positions).
@@ -33,7 +30,7 @@ import torch
 from .graphs import MAX_OPTIONS, fill_options, n_options, new_stats, pack_inputs, try_capture
 from .index import as_ids
 from .mixers import PackedMixer
-from .plant import Planted, PlantGraph, PlantMixer
+from .plant import Planted, PlantMixer
 from .specialists.lora import RoutedRows
 
 SLOT_BUCKETS = (4, 16, 64)  # answer slots a single-row graph has room for
@@ -50,8 +47,7 @@ class _Graph:
 class PlainPath:
     def __init__(self, model, kernels, max_tokens: int = 16384, *, graphs: bool | None = None, pad: bool | None = None,
                  bucket: int = 64, max_graph_tokens: int = 8192, pool=None, specialists=None,
-                 plant_graphs: bool | None = None, between_layers: int = 4, plant_bucket: int = 128,
-                 plant_unaligned: bool = False):
+                 between_layers: int = 4):
         self.model, self.kernels, self.max_tokens = model, kernels, max_tokens
         self.spec = specialists  # statecache.specialists.Specialists | None
         if specialists is not None:  # fold the adapters into the weights now, before any graph is captured
@@ -67,19 +63,6 @@ class PlainPath:
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
         self.failures: list[str] = []
-        # a lone planting row as CUDA graphs (statecache.plant.PlantGraph; by default where graphs are used, eagerly when
-        # asked for without them; never with specialists: their new states plant through the cache's chunked path).
-        # plant_unaligned: its graphs can hold one position off the 64-token chunks, at a cost to every row (off: such
-        # plans run packed; PlantGraph)
-        want = self.use_graphs if plant_graphs is None else plant_graphs
-        self.planter = None
-        if want and specialists is None and kernels.states_ok(model.dtype):
-            # its own graph pool: tensors that live across its pieces' cuts sit in pool memory while `between` replays
-            # other graphs (the batched runner's, in the shared pool), which must not reuse that memory
-            own_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-            self.planter = PlantGraph(model, kernels, own_pool, max_graph_tokens, self.stats, self.failures,
-                                      bucket=plant_bucket, every=between_layers, graphs=self.use_graphs,
-                                      unaligned=plant_unaligned)
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices of rows packed greedily into forwards of at most max_tokens tokens (a longer row goes alone)."""
@@ -96,15 +79,8 @@ class PlainPath:
         return out
 
     def forwards(self, rows: list[tuple], plans: list[list[int] | None] | None = None) -> list[list[int]]:
-        """Indices of the rows each forward of `run` takes, in the order they run: a planting text row that the
-        planter can hold goes alone (PlantGraph), the others packed greedily (`batches`)."""
-        plans = plans if plans is not None else [None] * len(rows)
-        alone, rest = [], []
-        for i, (r, pl) in enumerate(zip(rows, plans)):
-            lone = (pl is not None and self.planter is not None and _images(r) is None
-                    and self.planter.can(len(r[0]), len(r[1]), pl, SLOT_BUCKETS))
-            (alone if lone else rest).append(i)
-        return [[i] for i in alone] + [[rest[j] for j in b] for b in self.batches([len(rows[i][0]) for i in rest])]
+        """Indices of the rows each forward of `run` takes, in the order they run: packed greedily (`batches`)."""
+        return self.batches([len(r[0]) for r in rows])
 
     def forward(self, rows: list[tuple]) -> list[list[list[float]]]:
         """rows: (ids, slots, options) or (ids, slots, options, images) each -> per row, per slot, the option
@@ -122,8 +98,8 @@ class PlainPath:
         """rows: (ids, slots, options) or (ids, slots, options, images) each; plans: per row its checkpoint positions
         (ascending, in (0, len(ids)]) or None -> (per row (per slot the option probabilities, its route or None); per
         row its Planted, None where its plan was). Planting is trunk only: with specialists, plans must all be None.
-        between: called every few layers of a packed forward, and between the pieces of a planting graph (chunked
-        prefill: the caller answers short work that arrived meanwhile)."""
+        between: called every few layers of a packed forward (chunked prefill: the caller answers short work that
+        arrived meanwhile)."""
         plans = plans if plans is not None else [None] * len(rows)
         if len(plans) != len(rows):
             raise ValueError(f"{len(plans)} plans for {len(rows)} rows")
@@ -137,12 +113,6 @@ class PlainPath:
                 got = self._single(*rows[batch[0]][:3])
                 if got is not None:
                     results[batch[0]] = got
-                    continue
-            if len(batch) == 1 and self.planter is not None and plans[batch[0]] is not None and text:
-                got = self.planter.run(*rows[batch[0]][:3], plans[batch[0]], SLOT_BUCKETS, between)
-                if got is not None:
-                    results[batch[0]], planted[batch[0]] = (got[0], None), got[1]
-                    self.stats["planting_graph_rows"] = self.stats.get("planting_graph_rows", 0) + 1
                     continue
             self._packed(rows, batch, results, plans, planted, between)
             self.stats["packed_forwards"] = self.stats.get("packed_forwards", 0) + 1
@@ -233,21 +203,17 @@ class PlainPath:
         g.graph, g.out = got
         return g
 
-    def precapture(self, max_tokens: int = 512, slot_buckets=(SLOT_BUCKETS[0],), plant_from: int | None = None) -> dict:
+    def precapture(self, max_tokens: int = 512, slot_buckets=(SLOT_BUCKETS[0],)) -> dict:
         """Capture the lone-row graphs of short rows now (padded lengths up to max_tokens, the given slot buckets):
         where a graph saves most (a short row run eagerly is host-bound); longer lone rows run packed once
-        `capture_on_demand` is off. plant_from: also the planter's graphs of every padded length from this many
-        tokens up (the first slot bucket). Returns the counts and seconds spent."""
+        `capture_on_demand` is off. Returns the counts and seconds spent."""
         t0 = time.perf_counter()
         if self.use_graphs:
             for T in range(self.bucket, min(max_tokens, self.max_graph_tokens) + 1, self.bucket):
                 for S in slot_buckets:
                     if (T, S) not in self.graphs:
                         self.graphs[(T, S)] = self._capture(T, S)
-        info = {"graphs": sum(g is not None for g in self.graphs.values()), "seconds": round(time.perf_counter() - t0, 2)}
-        if plant_from is not None and self.planter is not None:
-            info["planting"] = self.planter.precapture(plant_from, slot_buckets[0])
-        return info
+        return {"graphs": sum(g is not None for g in self.graphs.values()), "seconds": round(time.perf_counter() - t0, 2)}
 
     def _single(self, ids, slots, options) -> tuple[list[list[float]], int | None] | None:
         key = self.shape(len(ids), len(slots))

@@ -241,59 +241,6 @@ def test_rows_restored_from_the_pinned_host_tier_match_plain(kernels):
     assert eng.cache.index.host_bytes <= eng.cache.index.host_budget_bytes
 
 
-def test_delta_states_are_flas_chunk_states(kernels):
-    """fla's per-chunk states (delta_states) equal the final state of fla's delta rule over the tokens before each
-    chunk, within bf16's rounding of the state; the output is delta's."""
-    ref, fla = kernels
-    assert fla.states_ok(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    T, Hk, Hv, D = 300, 2, 4, 128
-    q, k = (torch.randn(1, T, Hk, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    v = torch.randn(1, T, Hv, D, device="cuda", generator=g).bfloat16()
-    gg = -torch.rand(1, T, Hv, device="cuda", generator=g) * 0.2
-    beta = torch.rand(1, T, Hv, device="cuda", generator=g).bfloat16()
-    at = torch.tensor([4, 1, 2], device="cuda")
-    o, st = fla.delta_states(q, k, v, gg, beta, at)
-    o_ref, _ = fla.delta(q, k, v, gg, beta)
-    assert (o.float() - o_ref.float()).abs().max() < 1e-2
-    for m, c in enumerate(at.tolist()):
-        _, S = fla.delta(q[:, : 64 * c], k[:, : 64 * c], v[:, : 64 * c], gg[:, : 64 * c], beta[:, : 64 * c])
-        assert (st[m] - S[0]).abs().max() <= 1e-2 * S.abs().max()
-
-
-def test_planting_graph_matches_the_packed_planting_forward(kernels):
-    """A lone new state through its planting graph (bf16, the tiny model): answers as the plain forward, the
-    checkpoints as the packed planting forward's (the per-chunk states rounded as fla keeps them), and a hit from
-    them answers as the plain forward; between runs between the pieces."""
-    from statecache.engine import Engine
-
-    eng = Engine(device="cuda", dtype="bfloat16", compile=False, precapture=False)
-    pp = eng.plain
-    assert pp.planter is not None
-    g = torch.Generator().manual_seed(2)
-    for n_state in (300, 700):
-        ids = torch.randint(0, eng.vocab_size, (n_state + 30,), generator=g).tolist()
-        row = (ids, [len(ids) - 1], [4])
-        plan = eng.cache.plan(n_state)
-        assert pp.planter.capture(len(ids), 1, (4,))
-        calls = []
-        outs, (pl,) = pp.run([row], [plan], between=lambda: calls.append(1))
-        assert len(calls) == len(pp.planter.graphs[pp.planter.key(len(ids), 1, (4,))].graphs) - 1 > 0
-        eager = type(pp)(eng.model, eng.kernels, graphs=False)
-        w_outs, (want,) = eager.run([row], [plan])
-        assert max(abs(a - b) for a, b in zip(outs[0][0][0], w_outs[0][0][0])) < 2e-2
-        assert pl.positions == want.positions
-        for x, y in zip(pl.S + pl.conv + [pl.K, pl.V], want.S + want.conv + [want.K, want.V]):
-            assert x.shape == y.shape and x.dtype == y.dtype
-            assert (x.float() - y.float()).abs().max() <= 2e-2 * max(y.float().abs().max().item(), 1e-6)
-        eng.cache.plant_planted(ids, len(ids), pl.snaps(), pl.K, pl.V)
-        q2 = ids[:n_state] + torch.randint(0, eng.vocab_size, (20,), generator=g).tolist()
-        hit = eng.cache.row(q2, n_state, [len(q2) - 1], [4])
-        assert hit is not None and hit.path in ("hit", "partial")
-        ref = eager.forward([(q2, [len(q2) - 1], [4])])[0]
-        assert max(abs(a - b) for a, b in zip(hit.probs[0], ref[0])) < 3e-2
-
-
 def test_steps_mix_new_pages_hits_and_grown_states_bf16(kernels):
     """The step loop through the batch runner's CUDA graphs (tiny model, bf16): two new pages advance in chunks over
     several steps while hits of an earlier state and a grown state ride beside them; every answer is near the plain
