@@ -100,10 +100,10 @@ run_step() {
         images) timeout "$limit" python3 bench/gpu_images.py --compile --out "$dir" >"$dir/log.txt" 2>&1 ;;
         pin) timeout "$limit" python3 bench/gpu_pin.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
         agree) timeout "$limit" python3 bench/gpu_agree32.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
-        tests) timeout "$limit" python3 -m pytest -q -p no:cacheprovider --instafail tests/test_gpu.py tests/test_batch_triton.py \
+        tests) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py tests/test_batch_triton.py \
                   tests/test_span_triton.py tests/test_gdn_triton.py tests/test_conv_triton.py >"$dir/log.txt" 2>&1 ;;
-        tests_gpu) timeout "$limit" python3 -m pytest -q -p no:cacheprovider --instafail tests/test_gpu.py >"$dir/log.txt" 2>&1 ;;
-        tests_steps) timeout "$limit" python3 -m pytest -q -p no:cacheprovider --instafail tests/test_gpu.py \
+        tests_gpu) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py >"$dir/log.txt" 2>&1 ;;
+        tests_steps) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py \
                   -k "steps_mix or image_rows or specialists or options or host_tier or cached_rows" >"$dir/log.txt" 2>&1 ;;
         *) echo "gpu_session: no step '$name'" | tee "$dir/log.txt"; return ;;
     esac

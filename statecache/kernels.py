@@ -38,14 +38,12 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def delta_rule_reference(q, k, v, g, beta, init=None, chunk: int = 64, starts: list | None = None):
+def delta_rule_reference(q, k, v, g, beta, init=None, chunk: int = 64):
     """One sequence of the gated delta rule in chunked form, float32.
 
     q, k [T, H, Dk] (already repeated to the value heads), v [T, H, Dv], g, beta [T, H], init [H, Dk, Dv] | None
     -> o [T, H, Dv], final [H, Dk, Dv]. The state decays by exp(g_t), then takes the delta-rule write
     beta_t * (v_t - S^T k_t) k_t^T; the output reads q_t / sqrt(Dk) from the state after step t.
-    starts: a list that receives the state at the start of every chunk (chunk t begins at t * chunk), as fla's
-    chunked kernels keep them.
     """
     T, H, Dk = k.shape
     Dv = v.shape[-1]
@@ -56,8 +54,6 @@ def delta_rule_reference(q, k, v, g, beta, init=None, chunk: int = 64, starts: l
     out = torch.empty(H, T, Dv, dtype=torch.float32, device=q.device)
     tri = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device)
     for s in range(0, T, chunk):
-        if starts is not None:
-            starts.append(S)
         e = min(s + chunk, T)
         n = e - s
         qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]  # [H, n, *]
