@@ -94,12 +94,13 @@ class StateCache:
         return state_end(state_len, self.s.align)
 
     def eligible(self, ids, state_len: int, slots) -> bool:
-        """Section 3's eligibility: a long enough state, 1..max_slots slots at or after p, a question that fits
-        (rows with images too: see the module docstring)."""
-        p, n = self.state_end(state_len), len(ids)
+        """May this row's state be cached: a long enough state, 1..max_slots slots, all at or after p (rows with
+        images too: see the module docstring). Whether a runner can run it is the runner's to say: the step loop
+        takes every length up to the longest row; `row` declines what the chunk runner's shapes cannot hold."""
+        p = self.state_end(state_len)
         if self.s.mb <= 0 or p < self.s.min_prefix or not 0 < len(slots) <= self.s.max_slots:
             return False
-        return min(slots) >= p and self.runner.shape(p, n) is not None
+        return min(slots) >= p
 
     def plan(self, state_len: int, start: int = 0, fork: int = 0) -> list[int]:
         """The checkpoint positions a state of state_len tokens plants, continuing from `start` (0: nothing
@@ -159,9 +160,9 @@ class StateCache:
         disagrees (a misprediction) it runs again with the router's route from that route's deepest checkpoint, and
         only the second run's checkpoints are planted. The layers below `split` do not depend on the route, so the
         router's decision is the same in both runs."""
-        if not self.eligible(ids, state_len, slots):
-            return None
         n, p = len(ids), self.state_end(state_len)
+        if not self.eligible(ids, state_len, slots) or self.runner.shape(p, n) is None:  # the chunk runner's limits
+            return None
         spec = self.runner.spec
         keys = ids if images is None else images.keys  # what the index knows the state by
         best = self.index.lookup(keys, limit=p)

@@ -239,11 +239,16 @@ def test_ineligible_rows_are_declined(pad):
         (ids, 300, [250, 310], [4, 4]),  # one of them
         (ids, 300, [300, 301, 302, 303, 304], [2] * 5),  # more slots than max_slots (4)
         (ids, 300, [], []),  # none
-        (state + question(300, 2), 300, [599], [4]),  # question chunk (344) longer than the largest chunk (256)
-        (toks(900, 42) + question(200, 3), 900, [1099], [4]),  # p + question past the largest span (1024)
     ]
     for row in declined:
         assert not cache.eligible(row[0], row[1], row[2])
+        assert cache.row(*row) is None
+    beyond = [  # the cache's rule takes them (the step loop runs them); the chunk runner's shapes cannot hold them
+        (state + question(300, 2), 300, [599], [4]),  # question chunk (344) longer than the largest chunk (256)
+        (toks(900, 42) + question(200, 3), 900, [1099], [4]),  # p + question past the largest span (1024)
+    ]
+    for row in beyond:
+        assert cache.eligible(row[0], row[1], row[2])
         assert cache.row(*row) is None
     assert len(cache.index) == 0 and cache.stats["rows"] == 0
     off = make_cache(pad, mb=0)  # mb 0 turns the cached path off

@@ -201,17 +201,18 @@ def test_with_a_host_tier_the_default_policy_plants_what_the_device_budget_holds
 
 
 def test_ineligible_rows_take_the_plain_path(engine):
+    """Rows the cache's rule refuses (StateCache.eligible) run plain; a long question does not make a row ineligible."""
     eng = engine()
     S = toks(300, 11)
     rows = [
         row(toks(50, 12), 10, 1),  # state shorter than min_prefix (64)
         {"ids": S + toks(10, 13), "state_len": 300, "slots": [200, 309], "nopts": [3, 4]},  # a slot before p
         {"ids": S + toks(10, 14), "state_len": 300, "slots": [300, 302, 304, 306, 309], "nopts": [2] * 5},  # 5 slots
-        row(S, 2100, 15),  # a question longer than the largest chunk (2048)
+        row(S, 2100, 15),  # a question longer than the chunk runner's largest chunk (2048): the step cuts it
     ]
     res = eng.answer(rows)
-    assert paths(res) == ["plain"] * 4
-    assert eng.cache.stats["rows"] == 0 and eng.counts["plain"] == 4
+    assert paths(res) == ["plain"] * 3 + ["cold"]
+    assert eng.cache.stats["rows"] == 1 and eng.counts["plain"] == 3
     check(eng, rows, res)
 
 

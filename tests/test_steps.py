@@ -187,3 +187,22 @@ def test_device_memory_running_out_at_random_forwards_changes_no_answer(seed):
     assert faults[0] > 0 and eng.steps.stats["oom_failed"] == 0
     assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
     check(eng, rows, res)
+
+
+def test_states_longer_than_the_chunk_runners_span_are_cached_through_the_step():
+    """The step loop takes every row up to the longest a row may be; whether a state may be cached is the cache's
+    rule alone (StateCache.eligible), not the chunk runner's span (here 1024 tokens): a 1500-token state and one grown
+    past 2000 are planted and continued from, every answer as the plain forward's (the chunk runner's own path, for
+    rows a step gives back, still declines what its shapes cannot hold)."""
+    eng = Engine(device="cpu", dtype="float32", max_pos=1024, settings=CacheSettings(min_prefix=64, stride=192))
+    assert eng.runner.max_pos == 1024
+    rng = np.random.default_rng(4)
+    s = toks(1500, rng)
+    grown = s + toks(600, rng)
+    rows = [{"ids": x + toks(9, rng), "state_len": len(x), "slots": [len(x) + 8], "nopts": [4]} for x in (s, s, grown, grown)]
+    res = [eng.answer([r])[0] for r in rows]
+    assert [r["path"] for r in res] == ["cold", "hit", "partial", "hit"], [r["path"] for r in res]
+    assert res[1]["reused"] == eng.cache.state_end(1500) and res[3]["reused"] == eng.cache.state_end(2100)
+    check(eng, rows, res)
+    assert eng.phases["step_rows"] == 4 and eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0
+    assert eng.cache.row(rows[1]["ids"], 1500, rows[1]["slots"], rows[1]["nopts"]) is None  # the chunk runner's limit
