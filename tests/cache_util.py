@@ -99,3 +99,27 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def answer_in_waves(eng, waves, after_step=None) -> list[dict]:
+    """Each wave (rows, steps) is submitted to the engine's step loop, then that many steps run before the next wave
+    comes (0: it joins at once); the last wave's rows are stepped to their end. Every row is answered exactly once:
+    the results, in row order. after_step(): called after each of the waves' steps."""
+    rows, got = [], {}
+
+    def take(pairs) -> None:
+        for tag, res in pairs:
+            assert tag not in got
+            got[tag] = res
+
+    for batch, steps in waves:
+        take(eng.submit(batch, list(range(len(rows), len(rows) + len(batch)))))
+        rows += batch
+        for _ in range(steps):
+            take(eng.step())
+            if after_step is not None:
+                after_step()
+    while eng.pending():
+        take(eng.step())
+    assert sorted(got) == list(range(len(rows)))
+    return [got[i] for i in range(len(rows))]

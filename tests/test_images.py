@@ -23,7 +23,7 @@ from statecache.engine import Engine
 from statecache.images import PLACEHOLDER, positions
 from statecache.rows import check_row
 from statecache.tiny import tiny_model_dir, tiny_vl_model_dir
-from tests.cache_util import assert_close, one_thread
+from tests.cache_util import answer_in_waves, assert_close, one_thread
 from tests.oracle_util import option_ids
 from tests.test_graph_modes import fake_graphs  # noqa: F401 - the stand-in CUDA graphs fixture
 
@@ -233,13 +233,13 @@ def test_random_waves_of_image_and_text_rows_through_the_step(make, ref, data, s
     eng = make(step_tokens=step_tokens, step_chunk=step_chunk,
                settings=CacheSettings(min_prefix=64, stride=192, mb=mb))
     states: list[tuple[str, int]] = []  # (state text, screenshot index)
-    rows, got = [], {}
-    waves = data.draw(st.lists(st.tuples(st.lists(st.sampled_from(["again", "grow", "other", "new", "text"]),
-                                                  min_size=1, max_size=3), st.integers(0, 2)), min_size=1, max_size=3))
-    for wave, steps in waves:
+    waves, k = [], 0
+    for wave, steps in data.draw(st.lists(st.tuples(st.lists(st.sampled_from(["again", "grow", "other", "new", "text"]),
+                                                             min_size=1, max_size=3), st.integers(0, 2)),
+                                          min_size=1, max_size=3)):
         batch = []
         for op in wave:
-            k = len(rows) + len(batch)
+            k += 1
             if op == "text":
                 batch.append({"state": WORDS * (2 + k % 3), "questions": [q(f"Text {k}?", 2 + k % 3)]})
                 continue
@@ -252,21 +252,9 @@ def test_random_waves_of_image_and_text_rows_through_the_step(make, ref, data, s
             elif op == "other":
                 shot = (shot + 1) % len(_SHOTS)
             batch.append({"state": state, "questions": [q(f"Question {k}?", 2 + k % 3)], "images": [_SHOTS[shot]]})
-        tags = list(range(len(rows), len(rows) + len(batch)))
-        rows += batch
-        for tag, res in eng.submit(batch, tags):
-            assert tag not in got
-            got[tag] = res
-        for _ in range(steps):
-            for tag, res in eng.step():
-                assert tag not in got
-                got[tag] = res
-    while eng.pending():
-        for tag, res in eng.step():
-            assert tag not in got
-            got[tag] = res
-    assert sorted(got) == list(range(len(rows)))
-    res = [got[i] for i in range(len(rows))]
+        waves.append((batch, steps))
+    rows = [r for batch, _ in waves for r in batch]
+    res = answer_in_waves(eng, waves)
     check(eng, ref, rows, res)
     for r in res:
         event(r["path"])

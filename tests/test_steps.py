@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from statecache.cache import CacheSettings
 from statecache.engine import Engine
 from statecache.memo import Memo
-from tests.cache_util import index_bytes_recount, one_thread
+from tests.cache_util import answer_in_waves, index_bytes_recount, one_thread
 from tests.test_engine import check
 
 
@@ -91,25 +91,13 @@ def test_waves_of_rows_between_steps_answer_as_the_plain_forward(seed, step_toke
     eng = fresh(step_tokens, step_chunk, mb)
     rng = np.random.default_rng(seed)
     states: list[list[int]] = []
-    rows, got = [], {}
-    for wave, steps in waves:
-        batch = make_rows(wave, states, rng)
-        tags = list(range(len(rows), len(rows) + len(batch)))
-        rows += batch
-        for tag, res in eng.submit(batch, tags):
-            assert tag not in got
-            got[tag] = res
-        for _ in range(steps):
-            for tag, res in eng.step():
-                assert tag not in got
-                got[tag] = res
-            assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
-    while eng.pending():
-        for tag, res in eng.step():
-            assert tag not in got
-            got[tag] = res
-    assert sorted(got) == list(range(len(rows)))
-    res = [got[i] for i in range(len(rows))]
+    batches = [(make_rows(wave, states, rng), steps) for wave, steps in waves]
+    rows = [r for batch, _ in batches for r in batch]
+
+    def within_budget() -> None:
+        assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
+
+    res = answer_in_waves(eng, batches, within_budget)
     assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
     check(eng, rows, res)
     for r in res:
