@@ -1,7 +1,8 @@
 """The step loop (statecache.step over statecache.sched) through the real engine on the built-in tiny model (CPU,
 float32): rows submitted in waves while steps run, under random token budgets, chunk sizes and cache budgets, every
-answer equal to the plain forward of its row within 1e-4, the cache's bytes within budget; device memory running out
-at random forwards changes no answer.
+answer equal to the plain forward of its row within 1e-4 (with the tiny specialists too: routes and answers as the
+routed plain forward), the cache's bytes within budget; device memory running out at random forwards changes no
+answer. Image rows in waves: tests/test_images.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from statecache.cache import CacheSettings
 from statecache.engine import Engine
 from statecache.memo import Memo
-from tests.cache_util import answer_in_waves, index_bytes_recount, one_thread
+from tests.cache_util import answer_in_waves, assert_close, index_bytes_recount, one_thread
 from tests.test_engine import check
 
 
@@ -28,13 +29,19 @@ def _threads():
 
 
 @functools.lru_cache(maxsize=None)
-def engine(step_tokens: int, step_chunk: int, mb: int) -> Engine:
+def engine(step_tokens: int, step_chunk: int, mb: int, routes: bool = False) -> Engine:
+    spec = None
+    if routes:
+        from statecache.tiny import tiny_specialists_dir
+
+        spec = tiny_specialists_dir()
     return Engine(device="cpu", dtype="float32", max_pos=2048, step_tokens=step_tokens, step_chunk=step_chunk,
-                  settings=CacheSettings(min_prefix=64, stride=192, mb=mb, host_mb=0 if mb == 1 else None))
+                  settings=CacheSettings(min_prefix=64, stride=192, mb=mb, host_mb=0 if mb == 1 else None),
+                  specialists=spec)
 
 
-def fresh(step_tokens: int, step_chunk: int, mb: int) -> Engine:
-    eng = engine(step_tokens, step_chunk, mb)
+def fresh(step_tokens: int, step_chunk: int, mb: int, routes: bool = False) -> Engine:
+    eng = engine(step_tokens, step_chunk, mb, routes)
     assert eng.steps is not None and not eng.pending()
     eng.cache.clear()
     eng.memo = Memo(4096)
@@ -104,6 +111,33 @@ def test_waves_of_rows_between_steps_answer_as_the_plain_forward(seed, step_toke
         event(r["path"])
     assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
     assert eng.cache.index.bytes == index_bytes_recount(eng.cache)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(seed=st.integers(0, 2**31 - 1), step_tokens=st.sampled_from([128, 2048]), step_chunk=st.sampled_from([64, 192]),
+       mb=st.sampled_from([1, 64]),
+       waves=st.lists(st.tuples(st.lists(ops, min_size=1, max_size=5), st.integers(0, 2)), min_size=2, max_size=4))
+def test_waves_of_rows_with_specialists_routes_answer_as_the_routed_plain_forward(seed, step_tokens, step_chunk, mb,
+                                                                                   waves):
+    """The tiny model with its 3-route specialists: rows in waves through the step loop (each with a guessed route,
+    run again with the router's where it disagreed) answer and route as the plain path's routed forward (the router
+    over the whole row, checked against peft in tests/test_specialists.py), float32 1e-4."""
+    eng = fresh(step_tokens, step_chunk, mb, routes=True)
+    missed = eng.cache.stats["mispredict"]
+    rng = np.random.default_rng(seed)
+    states: list[list[int]] = []
+    batches = [(make_rows(wave, states, rng), steps) for wave, steps in waves]
+    rows = [r for batch, _ in batches for r in batch]
+    res = answer_in_waves(eng, batches)
+    want = eng.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r in rows])
+    for r, (probs, route) in zip(res, want):
+        assert "probs" in r, r
+        assert r["route"] == eng.specialists.names[route]
+        assert_close(r["probs"], probs)
+        event(r["path"])
+    event(f"mispredictions: {eng.cache.stats['mispredict'] > missed}")
+    assert eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0  # every row through the step loop
+    assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
