@@ -278,3 +278,27 @@ def test_steps_mix_new_pages_hits_and_grown_states_bf16(kernels):
     for r, w in zip(res + res2, want):
         for got_slot, want_slot in zip(r["probs"], w):
             assert max(abs(x - y) for x, y in zip(got_slot, want_slot)) < 2e-2
+
+
+def test_a_state_past_the_chunk_runners_span_is_cached_through_the_step_bf16(kernels):
+    """A 9,000-token state (past the chunk runner's 8,192-token span, which no longer decides what may be cached)
+    through the step loop's CUDA graphs on the tiny model, bf16: planted, then continued from by a hit and by a
+    grown state, every answer near the plain path's."""
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+
+    eng = Engine(device="cuda", dtype="bfloat16", settings=CacheSettings(min_prefix=64, stride=1024), compile=False)
+    assert eng.steps is not None and eng.cache.batch.use_graphs and eng.runner.max_pos == 8192
+    g = torch.Generator().manual_seed(12)
+
+    def t(n):
+        return torch.randint(0, eng.vocab_size, (n,), generator=g).tolist()
+
+    s = t(9000)
+    grown = s + t(300)
+    rows = [{"ids": x + t(12), "state_len": len(x), "slots": [len(x) + 11], "nopts": [4]} for x in (s, s, grown)]
+    got = [eng.answer([r])[0] for r in rows]
+    assert [r["path"] for r in got] == ["cold", "hit", "partial"], [r.get("path") for r in got]
+    want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows])
+    for r, p in zip(got, want):
+        assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 2e-2
