@@ -1,10 +1,10 @@
 """GPU check of the batched delta rule (`gdn_triton.delta_batch`: a program per head, value slice and sequence runs
 its sequence's 64-token chunks one after another) on step-like mixes at the 9B GDN shape (16 key heads, 32 value
 heads, 128 x 128 state per head, bf16 inputs, float32 states), over its launch knobs, beside fla's chain of chunked
-kernels on the same sequences and states (what a chunk-parallel form can reach: fla parallelises over chunks). Each
-timing is the median replay of a CUDA graph holding one call (microseconds); each mix also reports how far the
-outputs and final states are from a float32 reference of the same inputs (`kernels.delta_rule_reference`,
-sequence by sequence), so that speed is never bought with precision.
+kernels on the same sequences and states (what a chunk-parallel form can reach: fla parallelises over chunks; its
+precision with bf16 operands is `fla_err`). Each timing is the median replay of a CUDA graph holding one call
+(microseconds); each mix also reports how far the outputs and final states are from a float32 reference of the
+same inputs (`kernels.delta_rule_reference`, sequence by sequence), so that speed is never bought with precision.
 
     python bench/gpu_delta_steps.py --out DIR        (on the GPU machine; writes DIR/delta_steps.json)
 
@@ -80,6 +80,22 @@ def fla_chain(cu, q, k, v, gate, beta, S0):
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def fla_err(cu, q, k, v, gate, beta, S0, o_ref, S_ref):
+    """How far fla's chain (bf16 operands for w, u and its per-chunk states) is from the float32 reference, measured as
+    ours is: the largest difference relative to the reference's largest value (outputs, final states)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        o, S = chunk_gated_delta_rule(q[None], k[None], v[None], gate[None], beta[None], initial_state=S0.clone(),
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                      chunk_indices=prepare_chunk_indices(cu, 64))
+        return {"max_do_rel": (o[0].float() - o_ref).abs().max().item() / o_ref.abs().max().item(),
+                "max_dS_rel": (S.float() - S_ref).abs().max().item() / S_ref.abs().max().item()}
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/results/delta_steps")
@@ -111,6 +127,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - one variant's failure is a result
                 r[name] = f"{type(e).__name__}: {str(e)[:300]}"
         r["fla_chain_us"] = fla_chain(cu, q, k, v, gate, beta, S0)
+        r["fla_err"] = fla_err(cu, q, k, v, gate, beta, S0, o_ref, S_ref)
         r["seconds"] = round(time.perf_counter() - t0, 1)
         res["mixes"][mix] = r
         print("[delta]", mix, json.dumps(r), flush=True)
