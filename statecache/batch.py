@@ -703,7 +703,7 @@ def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner
     new checkpoints snapshotted inside it (one forward); otherwise its state chunks run as pieces of their own
     (longer ones cut at MAX_PIECE), then the question. found: (checkpoint, index version) of the caller's own
     `cache.index.lookup(ids, limit=p)`, used while the version holds."""
-    if not cache.eligible(ids, state_len, slots) or len(slots) != len(nopts):
+    if not cache.eligible(state_len, slots) or len(slots) != len(nopts):
         return None
     p, n, max_piece = cache.state_end(state_len), len(ids), runner.max_piece
     if found is not None and found[1] == cache.index.version:  # nothing planted, evicted or touched since

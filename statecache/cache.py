@@ -93,7 +93,7 @@ class StateCache:
         """p: the state's end rounded down to `align`, where its deepest checkpoint sits (statecache.index.state_end)."""
         return state_end(state_len, self.s.align)
 
-    def eligible(self, ids, state_len: int, slots) -> bool:
+    def eligible(self, state_len: int, slots) -> bool:
         """May this row's state be cached: a long enough state, 1..max_slots slots, all at or after p (rows with
         images too: see the module docstring). Whether a runner can run it is the runner's to say: the step loop
         takes every length up to the longest row; `row` declines what the chunk runner's shapes cannot hold."""
@@ -161,7 +161,7 @@ class StateCache:
         only the second run's checkpoints are planted. The layers below `split` do not depend on the route, so the
         router's decision is the same in both runs."""
         n, p = len(ids), self.state_end(state_len)
-        if not self.eligible(ids, state_len, slots) or self.runner.shape(p, n) is None:  # the chunk runner's limits
+        if not self.eligible(state_len, slots) or self.runner.shape(p, n) is None:  # the chunk runner's limits
             return None
         spec = self.runner.spec
         keys = ids if images is None else images.keys  # what the index knows the state by

@@ -216,7 +216,7 @@ class Engine:
             sizes.append(tuple(int(x) for x in torch.randint(1000, 5000, (count,), generator=gen)))
         for lens in sizes:
             rows = [dummy(n) for n in lens]
-            plant = self.specialists is None and all(self.cache.eligible(r[0], n - 40, r[1]) for r, n in zip(rows, lens))
+            plant = self.specialists is None and all(self.cache.eligible(n - 40, r[1]) for r, n in zip(rows, lens))
             self.plain.run(rows, [self.cache.plan(n - 40) for n in lens] if plant else None)
             if len(rows) > 1:
                 self.plain.run(rows)  # the packed forward without planting
@@ -448,8 +448,8 @@ class Engine:
         2. a second batched call for the rows behind grown states (now hits);
         3. the plain path's forwards for the rows the cache cannot take and the first row of each new state the
            cold_ok policy lets plant (it plants): packed in arrival order (`PlainPath.forwards`); each forward's
-           answers are handed back when it
-           ends, and the rows behind its new states run batched right after it (now hits);
+           answers are handed back when it ends, and the rows behind its new states run batched right after it (now
+           hits);
         4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
         groups, plain = self._groups(todo)
         pinned: list = []  # the checkpoints this batch's rows will restore, pinned in the index until the batch ends
@@ -564,7 +564,7 @@ class Engine:
         if checked is None or checked.row is None:
             return None
         row = checked.row
-        if not self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
+        if not self.cache.eligible(row["state_len"], row["slots"]):
             return None
         return row["ids"], self._p(row), row["state_len"]
 
@@ -615,7 +615,7 @@ class Engine:
         plain = []
         for item in todo:
             row = item[1]
-            if not self.cache.eligible(row["ids"], row["state_len"], row["slots"]):
+            if not self.cache.eligible(row["state_len"], row["slots"]):
                 plain.append(item)
                 continue
             p = self._p(row)
@@ -659,8 +659,7 @@ class Engine:
     def _plain(self, items, results, planting=(), follow=None) -> list:
         """The plain path's forwards (statecache.plain) of `items` (nothing planted) and of `planting` (the first rows
         of new states: their checkpoints are planted, their path is "cold"), one forward at a time in the order
-        `PlainPath.forwards` gives (packed in arrival order), each
-        forward's answers handed back as soon as it ends. follow: memo key of a planting row -> the rows behind it,
+        `PlainPath.forwards` gives (packed in arrival order), each forward's answers handed back as soon as it ends. follow: memo key of a planting row -> the rows behind it,
         run batched right after their state is planted. Returns the rows those batched calls left."""
         unique: OrderedDict = OrderedDict()
         for i, row, key in planting:
@@ -673,7 +672,7 @@ class Engine:
         rows = [(r["ids"], r["slots"], r["options"], r.get("mm")) for _, (r, _, _) in entries]
         plans = [self._cold_plan(r) if plant else None for _, (r, _, plant) in entries]
         left: list = []
-        for fwd in self.plain.forwards(rows, plans):
+        for fwd in self.plain.forwards(rows):
             self._plain_forward([entries[k] for k in fwd], [rows[k] for k in fwd], [plans[k] for k in fwd], results)
             behind = [m for k in fwd for m in (follow or {}).get(entries[k][0], ())]
             if behind:

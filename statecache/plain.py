@@ -78,7 +78,7 @@ class PlainPath:
             out.append(cur)
         return out
 
-    def forwards(self, rows: list[tuple], plans: list[list[int] | None] | None = None) -> list[list[int]]:
+    def forwards(self, rows: list[tuple]) -> list[list[int]]:
         """Indices of the rows each forward of `run` takes, in the order they run: packed greedily (`batches`)."""
         return self.batches([len(r[0]) for r in rows])
 
@@ -107,7 +107,7 @@ class PlainPath:
             raise ValueError("the packed forward plants only without specialists")
         results: list = [None] * len(rows)
         planted: list = [None] * len(rows)
-        for batch in self.forwards(rows, plans):
+        for batch in self.forwards(rows):
             text = _images(rows[batch[0]]) is None
             if len(batch) == 1 and self.pad and plans[batch[0]] is None and text:
                 got = self._single(*rows[batch[0]][:3])

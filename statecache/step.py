@@ -187,7 +187,7 @@ class Steps:
         return slots_at_one_position(row["slots"]) <= self.runner.max_slots
 
     def _cacheable(self, row: dict) -> bool:
-        return self.cache.s.mb > 0 and self.cache.eligible(row["ids"], row["state_len"], row["slots"])
+        return self.cache.s.mb > 0 and self.cache.eligible(row["state_len"], row["slots"])
 
     def add(self, key, row: dict, route: int | None = None, earlier: int = 0) -> int:
         """Schedule a checked row (`takes` it); returns its id in this schedule. Specialists: it runs with `route`

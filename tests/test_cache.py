@@ -222,7 +222,7 @@ def test_short_states_are_declined(pad):
     cache = make_cache(pad)
     for n in (10, 63):
         ids = toks(n, n) + question(5, n)
-        assert not cache.eligible(ids, n, [n + 4])
+        assert not cache.eligible(n, [n + 4])
         assert cache.row(ids, n, [n + 4], [4]) is None
     assert ask(cache, toks(64, 64) + question(5, 1), 64, [68], [4]).path == "cold"  # p = 64 = min_prefix
     assert ask(cache, toks(64, 64) + toks(63, 65) + question(5, 2), 127, [131], [4]).path == "hit"  # p = 64
@@ -241,14 +241,14 @@ def test_ineligible_rows_are_declined(pad):
         (ids, 300, [], []),  # none
     ]
     for row in declined:
-        assert not cache.eligible(row[0], row[1], row[2])
+        assert not cache.eligible(row[1], row[2])
         assert cache.row(*row) is None
     beyond = [  # the cache's rule takes them (the step loop runs them); the chunk runner's shapes cannot hold them
         (state + question(300, 2), 300, [599], [4]),  # question chunk (344) longer than the largest chunk (256)
         (toks(900, 42) + question(200, 3), 900, [1099], [4]),  # p + question past the largest span (1024)
     ]
     for row in beyond:
-        assert cache.eligible(row[0], row[1], row[2])
+        assert cache.eligible(row[1], row[2])
         assert cache.row(*row) is None
     assert len(cache.index) == 0 and cache.stats["rows"] == 0
     off = make_cache(pad, mb=0)  # mb 0 turns the cached path off
@@ -338,7 +338,7 @@ def test_an_eligible_grown_state_is_not_declined(pad):
     s = toks(1000, 81)
     ask(cache, s[:300] + question(5, 1), 300, [304], [3])
     ids = s + question(5, 1)
-    assert cache.eligible(ids, 1000, [1004])
+    assert cache.eligible(1000, [1004])
     assert ask(cache, ids, 1000, [1004], [3]).path == "partial"
 
 

@@ -121,7 +121,7 @@ def test_random_batches_plant_and_answer_right(seed, mb, pad, batches):
         declined_tokens = {ctx.state_tokens for ctx, ok in asked if not ok}
         planted_states = {}
         for r, out in zip(rows, res):
-            eligible = eng.cache.eligible(r["ids"], r["state_len"], r["slots"])
+            eligible = eng.cache.eligible(r["state_len"], r["slots"])
             p = r["state_len"] - r["state_len"] % 64
             if out["path"] == "plain":
                 event("plain")
