@@ -65,17 +65,22 @@ def reference(lens, cu, q, k, v, gate, beta, S0):
     return torch.cat(os), torch.stack(Ss)
 
 
-def fla_chain(cu, q, k, v, gate, beta, S0):
-    """fla's chunked gated delta rule over the same sequences from the same states, final states out (what fla
-    itself takes at this shape; its inner states are bf16), GPU microseconds; or why it could not run."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        from fla.ops.utils.index import prepare_chunk_indices
+def _fla(cu, q, k, v, gate, beta, S0):
+    """fla's chunked gated delta rule over the same sequences from states S0, final states out: a call -> (o [1, T,
+    Hv, Dv], final states)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.utils.index import prepare_chunk_indices
 
-        ci = prepare_chunk_indices(cu, 64)
-        return graph_us([lambda: chunk_gated_delta_rule(q[None], k[None], v[None], gate[None], beta[None],
-                                                        initial_state=S0, output_final_state=True,
-                                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, chunk_indices=ci)])
+    ci = prepare_chunk_indices(cu, 64)
+    return lambda: chunk_gated_delta_rule(q[None], k[None], v[None], gate[None], beta[None], initial_state=S0,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                                          chunk_indices=ci)
+
+
+def fla_chain(cu, q, k, v, gate, beta, S0):
+    """What fla itself takes at this shape (its inner states are bf16), GPU microseconds; or why it could not run."""
+    try:
+        return graph_us([_fla(cu, q, k, v, gate, beta, S0)])
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {str(e)[:300]}"
 
@@ -84,12 +89,7 @@ def fla_err(cu, q, k, v, gate, beta, S0, o_ref, S_ref):
     """How far fla's chain (bf16 operands for w, u and its per-chunk states) is from the float32 reference, measured as
     ours is: the largest difference relative to the reference's largest value (outputs, final states)."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        from fla.ops.utils.index import prepare_chunk_indices
-
-        o, S = chunk_gated_delta_rule(q[None], k[None], v[None], gate[None], beta[None], initial_state=S0.clone(),
-                                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                                      chunk_indices=prepare_chunk_indices(cu, 64))
+        o, S = _fla(cu, q, k, v, gate, beta, S0.clone())()
         return {"max_do_rel": (o[0].float() - o_ref).abs().max().item() / o_ref.abs().max().item(),
                 "max_dS_rel": (S.float() - S_ref).abs().max().item() / S_ref.abs().max().item()}
     except Exception as e:  # noqa: BLE001

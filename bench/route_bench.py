@@ -83,24 +83,35 @@ async def worker_stats(url: str, alive: list[int]) -> list:
     return out
 
 
+def start_ready(w: Worker, k: int, r) -> None:
+    """Start worker w{k} and wait until it is ready: `Worker.start` returns once the queue's health key is up, which
+    the first worker already wrote, so wait for this worker's own heartbeat (its router runs once it is ready)."""
+    w.start(300)
+    t_ready = time.time()
+    while not r.exists(live_key(QUEUE_NAME, f"w{k}")):
+        if w.proc.poll() is not None or time.time() - t_ready > 300:
+            raise RuntimeError(f"worker w{k} did not come up; see {w.log_path}")
+        time.sleep(0.05)
+
+
 def run_config(n_workers: int, args, vocab: tuple[int, int], logdir: Path) -> dict:
     with LocalRedis() as server:
         workers = []
+
+        def new_worker(k: int) -> Worker:
+            w = Worker(server.url, QUEUE_NAME, args.model, args.cache_mb, logdir / f"w{n_workers}_{k}.log")
+            w.env.update(STATECACHE_WORKER_ID=f"w{k}", OMP_NUM_THREADS="1", STATECACHE_METRICS_PORT="0")
+            workers.append(w)
+            return w
+
         try:
             for k in range(n_workers):
-                w = Worker(server.url, QUEUE_NAME, args.model, args.cache_mb, logdir / f"w{n_workers}_{k}.log")
-                w.env.update(STATECACHE_WORKER_ID=f"w{k}", OMP_NUM_THREADS="1", STATECACHE_METRICS_PORT="0")
-                workers.append(w)
+                new_worker(k)
             import redis as redis_sync
 
             r = redis_sync.Redis.from_url(server.url)
             for k, w in enumerate(workers):
-                w.start(300)  # returns once the queue's health key is up, which the first worker already wrote:
-                t_ready = time.time()  # wait for this worker's own heartbeat (its router runs once it is ready)
-                while not r.exists(live_key(QUEUE_NAME, f"w{k}")):
-                    if w.proc.poll() is not None or time.time() - t_ready > 300:
-                        raise RuntimeError(f"worker w{k} did not come up; see {w.log_path}")
-                    time.sleep(0.05)
+                start_ready(w, k, r)
             trace = AgentTrace(args.agents, seed=args.seed, vocab=vocab, min_state=args.min_state,
                                max_state=args.max_state)
             killer = None
@@ -113,17 +124,11 @@ def run_config(n_workers: int, args, vocab: tuple[int, int], logdir: Path) -> di
                     if not args.replace:
                         return
                     k = len(workers)  # a new worker in its place, started while the others serve
-                    w = Worker(server.url, QUEUE_NAME, args.model, args.cache_mb, logdir / f"w{n_workers}_{k}.log")
-                    w.env.update(STATECACHE_WORKER_ID=f"w{k}", OMP_NUM_THREADS="1", STATECACHE_METRICS_PORT="0")
-                    workers.append(w)
+                    w = new_worker(k)
                     t = time.perf_counter()
                     try:
-                        w.start(300)  # returns at once (the queue's health key is up): its own heartbeat says ready
-                        rk = redis_sync.Redis.from_url(server.url)
-                        while not rk.exists(live_key(QUEUE_NAME, f"w{k}")):
-                            if w.proc.poll() is not None or time.perf_counter() - t > 300:
-                                raise RuntimeError(f"worker w{k} did not come up; see {w.log_path}")
-                            time.sleep(0.1)
+                        rk = redis_sync.Redis.from_url(server.url)  # this thread's own connection
+                        start_ready(w, k, rk)
                         rk.close()
                         replaced["ready_s"] = round(time.perf_counter() - t, 1)
                     except Exception as e:  # noqa: BLE001 - reported with the results

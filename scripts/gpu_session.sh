@@ -115,7 +115,7 @@ run_step() {
     local what="rc $rc"
     [ $rc -eq 124 ] && what="stopped at its $limit s limit"
     echo "== $(basename "$dir")${STEP_ENV:+ ($STEP_ENV)}: $what, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
-    grep -hE '^\[(load|agree|delta|route)\]|^\{"workers|ratio|hit|passed|failed|Error|planting' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
+    grep -hE '^\[(load|agree|delta|route)\]|^\{"workers|ratio|hit|passed|failed|Error' "$dir/log.txt" 2>/dev/null | cut -c1-600 | tail -n 12
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
