@@ -19,6 +19,7 @@ from arq.connections import RedisSettings, create_pool
 from statecache.protocol import (IN_PROGRESS_KEY_PREFIX, deserialize, fingerprints_key, live_key, private_queue,
                                  serialize, workers_key)
 from statecache.routing import FingerprintLedger, choose, home, home_key, prefix_fingerprints
+from statecache.settings import Settings
 from tests.harness import WorkerProcess, wait_for
 
 STATE = 700  # tokens of an agent's state: above the cache's min_prefix (256), a few aligned blocks
@@ -203,7 +204,11 @@ def test_a_joining_worker_takes_new_states_at_once(redis_url, queue_name, tmp_pa
         assert all(res["path"] == "cold" for res in first)
         procs += start_workers(redis_url, queue_name, tmp_path, ["b"], running=[a], **env)
         b = procs[1]
-        new = [agent_state(50 + i) for i in range(8)]
+        # 8 new agents, 4 whose home (rendezvous over a and b) is b: without a choice, 8 agents can all hash to a (at
+        # the default alignment agents 50-57 do) and b would take rows only by shedding, as the CPU's timing allows
+        align = Settings().cache_align
+        homes = {i: home(home_key(agent_state(i), STATE, align), ["a", "b"]) for i in range(50, 100)}
+        new = [agent_state(i) for w in "ab" for i in [i for i, h in homes.items() if h == w][:4]]
         rows = [row(s, 1) for s in old] + [row(s, 0) for s in new]
         results, ids = asyncio.run(ask(redis_url, queue_name, rows))
         assert all("probs" in x for x in results)
