@@ -16,11 +16,16 @@ thread of the pool's own gets each slab's pages (anonymous memory, faulted in: t
 the serving thread registers one such slab with the driver (`cudaHostRegister`) each time it has launched a forward
 and would otherwise wait for it (`grow_while_device_runs`), or when a copy down finds no room. `down` uses only
 registered slabs.
-Every copy runs on the
-pool's own stream: a copy down waits for the work that wrote the payload, and the device tensors it reads are kept
-from reuse until it ends (`record_stream`); a copy up is waited for by the current stream before anything reads it,
-so nothing blocks the host. Slices are reused only by later copies on that same stream, so a slice freed while its
-copy up is queued is safe.
+The copies run on two streams of the pool's own, so that neither kind waits behind the other and a copy up runs
+beside the step in flight (the step loop restores step N+1's states while step N runs):
+- down (`down_stream`): waits for the work queued so far on the current stream (what wrote the payload) and for
+  every copy up queued so far (a slice freed after its copy up was queued may be reused only once it has been
+  read); the device tensors it reads are kept from reuse until it ends (`record_stream`); it records an event on
+  the host payload.
+- up (`up_stream`): waits only for its own payload's copy down (that event, long done as a rule), not for the
+  current stream, so its device tensors are allocated on the up stream (a block the current stream freed with work
+  still queued on it is never handed to it) and marked as used by the current stream, which waits for the copy
+  before anything reads it. Nothing blocks the host.
 
 Knows tensors, streams and one thread of its own; knows nothing of checkpoints, LRU or budgets (statecache.index
 decides what moves).
@@ -71,10 +76,11 @@ def _unregister(addresses: list[int], maps: list) -> None:
 class HostPayload:
     """A payload on the host: its items (host tensors, viewing the pool, and plain values) and the slices they hold."""
 
-    __slots__ = ("items", "slices")
+    __slots__ = ("items", "slices", "written")
 
-    def __init__(self, items: tuple, slices: list[tuple[int, int]]):
+    def __init__(self, items: tuple, slices: list[tuple[int, int]], written=None):
         self.items, self.slices = items, slices
+        self.written = written  # CUDA: the event recorded after its copy down (None on the CPU)
 
 
 class HostPool:
@@ -91,7 +97,8 @@ class HostPool:
         self.bases: list[int] = []
         self.allocated = 0  # bytes of slabs admitted so far (at most nbytes)
         self._free: list[tuple[int, int]] = []  # (offset, size), by offset, never across a slab's end
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.down_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.up_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._timed: list = []  # CUDA: (start, end) events of copies up not yet read
         self._lock = threading.Lock()  # the slabs and free runs (the serving thread's; `free_bytes` may be read
         # from another)
@@ -281,9 +288,10 @@ class HostPool:
                 self.stats["no_room"] += 1
                 return None
             slices.append((off, n))
-        items, k = [], 0
+        items, k, written = [], 0, None
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.down_stream.wait_stream(torch.cuda.current_stream(self.device))  # what wrote the payload
+            self.down_stream.wait_stream(self.up_stream)  # copies up still reading slices freed since
         for t in payload:
             if not isinstance(t, torch.Tensor):
                 items.append(t)
@@ -292,32 +300,37 @@ class HostPool:
             k += 1
             h = self._view(off, n).view(t.dtype).view(t.shape)
             if self.cuda:
-                with torch.cuda.stream(self.stream):
+                with torch.cuda.stream(self.down_stream):
                     h.copy_(t, non_blocking=True)
-                t.record_stream(self.stream)  # its memory is not reused before this copy reads it
+                t.record_stream(self.down_stream)  # its memory is not reused before this copy reads it
             else:
                 h.copy_(t)
             items.append(h)
+        if self.cuda:
+            written = torch.cuda.Event()
+            written.record(self.down_stream)
         self.stats["copies_down"] += 1
         self.stats["bytes_down"] += sum(sizes)
-        return HostPayload(tuple(items), slices)
+        return HostPayload(tuple(items), slices, written)
 
     def up(self, hp: HostPayload) -> tuple:
         t0 = time.perf_counter()
         out = []
         if self.cuda:
             cur = torch.cuda.current_stream(self.device)
-            dev = [torch.empty(h.shape, dtype=h.dtype, device=self.device) if isinstance(h, torch.Tensor) else h
-                   for h in hp.items]  # allocated for the current stream, which reads them
-            self.stream.wait_stream(cur)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.up_stream):
+                if hp.written is not None:
+                    self.up_stream.wait_event(hp.written)
+                dev = [torch.empty(h.shape, dtype=h.dtype, device=self.device) if isinstance(h, torch.Tensor) else h
+                       for h in hp.items]  # the up stream's blocks (see the module's docstring)
                 start.record()
                 for d, h in zip(dev, hp.items):
                     if isinstance(h, torch.Tensor):
                         d.copy_(h, non_blocking=True)
+                        d.record_stream(cur)  # read and freed by the current stream's work
                 end.record()
-            cur.wait_stream(self.stream)
+            cur.wait_event(end)
             self._timed.append((start, end))
             out = dev
         else:

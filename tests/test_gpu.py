@@ -205,7 +205,7 @@ def test_rows_with_options_through_graphs_match_plain(kernels):
 
 def test_rows_restored_from_the_pinned_host_tier_match_plain(kernels):
     """The host tier on CUDA (statecache.tiers.HostPool: slabs registered with the driver beside forwards, copies on
-    the pool's own stream): with a device budget that holds about one state, earlier states move to the host and a
+    the pool's own streams): with a device budget that holds about one state, earlier states move to the host and a
     row that returns to one is a hit copied back, answering as the plain path's forward of the same row (float32, the tiny model, CUDA graphs)."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
@@ -237,6 +237,41 @@ def test_rows_restored_from_the_pinned_host_tier_match_plain(kernels):
         assert max(abs(a - b) for a, b in zip(got["probs"][0], want[0])) < 1e-3
     info = eng.cache.info()
     assert info["restored_host"] >= 1 and info["host"]["copies_up"] >= 2 and info["host"]["up_ms"] > 0
+    assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
+    assert eng.cache.index.host_bytes <= eng.cache.index.host_budget_bytes
+
+
+def test_waves_through_the_host_tier_with_steps_in_flight_match_plain(kernels):
+    """The host tier under the step loop (float32, the tiny model, CUDA graphs): a device budget of about one state,
+    waves of rows returning to earlier states while new ones arrive, so copies up (on their own stream, beside the
+    step in flight) and copies down (evictions, on theirs) interleave with forwards and with each other; every
+    answer is the plain path's, and both budgets hold."""
+    from statecache.cache import CacheSettings
+    from statecache.engine import Engine
+    from tests.cache_util import answer_in_waves
+
+    eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128, mb=1, host_mb=64),
+                 compile=False, step_tokens=512, step_chunk=128)
+    eng.cache.host._preparer.join(60)
+    V = eng.vocab_size
+    g = torch.Generator().manual_seed(5)
+    states = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in torch.randint(200, 400, (8,), generator=g)]
+
+    def row(s):
+        ids = s + torch.randint(0, V, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        return {"ids": ids, "state_len": len(s), "slots": [len(ids) - 1], "nopts": [4]}
+
+    order = torch.randint(0, len(states), (48,), generator=g).tolist()
+    rows = [row(states[i]) for i in order]
+    waves = [(rows[k:k + 6], int(torch.randint(0, 3, (1,), generator=g))) for k in range(0, len(rows), 6)]
+    got = answer_in_waves(eng, waves)
+    want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows])
+    for r, w in zip(got, want):
+        assert "probs" in r, r
+        assert max(abs(a - b) for a, b in zip(r["probs"][0], w[0])) < 1e-3
+    info = eng.cache.info()
+    assert info["restored_host"] >= 4 and info["host"]["copies_down"] >= 4, info
+    assert sum(r["path"] == "hit" for r in got) >= 8
     assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
     assert eng.cache.index.host_bytes <= eng.cache.index.host_budget_bytes
 
