@@ -585,9 +585,7 @@ def markdown(res: dict) -> str:
         lines += ["", "Where the engine's time went, since start-up (seconds, rows; steps: the rows they finished): "
                   + "; ".join(
                       f"{n} agents: steps {ph.get('step_s', 0):.1f} s / {ph.get('steps', 0)} steps / "
-                      f"{ph.get('step_rows', 0)} rows, batched {ph['batched_s']:.1f} s / {ph['batched_rows']}, "
-                      f"packed {ph['packed_s']:.1f} s / "
-                      f"{ph['packed_rows']}, one at a time {ph['one_by_one_s']:.1f} s / {ph['one_by_one_rows']}"
+                      f"{ph.get('step_rows', 0)} rows (CPU {ph.get('step_cpu_s', 0):.1f} s)"
                       for n, ph in phases if ph)]
     timing = [(n, s.get("worker_stats", {}).get("worker", {}).get("timing")) for n, s in cfgs.items()]
     if any(t for _, t in timing):  # the worker's own split of a row's latency (worker.metrics.WorkerMetrics.timing)

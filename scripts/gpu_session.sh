@@ -18,15 +18,10 @@
 #   score       statecache score alone (load_bench --skip-worker), 60 timed rows with --timings (400)
 #   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB (60)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
-#   batch       bench/gpu_batch.py, 9B, 1, 4, 16 and 64 hits from different 4096-token states (150)
 #   route2      bench/route_bench.py, 9B: two workers on the one GPU with defaults, 16 agents x 60 rows, the second
 #               SIGKILLed 10 s in and a new one started in its place while the first serves (420)
 #   delta       bench/gpu_delta_steps.py: the batched delta rule beside fla's chunked kernels on step-like
 #               mixes at the 9B shape, timed and against a float32 reference (120)
-#   batchv      bench/gpu_batch.py, 9B, 1, 4 and 16 hits, each again with the delta rule's value blocks and warps of
-#               $DELTA_VARIANTS (default 64:4,128:8), no kernel sweep (200)
-#   specialists bench/gpu_specialists.py, 9B, 4 routes, rank 16, batched hits from 4 and 16 states (280)
-#   images      bench/gpu_images.py --compile, 9B with its vision tower (200)
 #   agree       bench/gpu_agree32.py, 40 rows against float32 and transformers (240)
 #   pin         bench/gpu_pin.py: ways of pinning the host tier's slabs, their copy speed, and how a thread pinning
 #               beside it slows a thread that launches and waits for GPU work (120)
@@ -89,17 +84,10 @@ run_step() {
                   >"$dir/log.txt" 2>&1; ls -la "$OUT" >>"$dir/log.txt" ;;
         profile) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s 5 >"$dir/log.txt" 2>&1 ;;
-        batch) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts 1,4,16,64 \
-                  >"$dir/log.txt" 2>&1 ;;
         route2) [ -f /tmp/ck9b/config.json ] || python3 bench/random_checkpoint.py /tmp/ck9b --shape 9B >"$dir/ckpt.txt" 2>&1
                 timeout "$limit" python3 bench/route_bench.py --model /tmp/ck9b --workers 2 --agents 16 --rows-per-agent 60 \
                   --kill-after-s 10 --replace --out "$dir" >"$dir/log.txt" 2>&1 ;;
         delta) timeout "$limit" python3 bench/gpu_delta_steps.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
-        batchv) timeout "$limit" python3 bench/gpu_batch.py --out "$dir" --shape 9B --counts "${BATCH_COUNTS:-1,4,16}" --no-kernel-sweep \
-                  --delta-variants "${DELTA_VARIANTS:-64:4,128:8}" >"$dir/log.txt" 2>&1 ;;
-        specialists) timeout "$limit" python3 bench/gpu_specialists.py --out "$dir" --shape 9B --routes 4 --rank 16 --skip-profile \
-                  >"$dir/log.txt" 2>&1 ;;
-        images) timeout "$limit" python3 bench/gpu_images.py --compile --out "$dir" >"$dir/log.txt" 2>&1 ;;
         pin) timeout "$limit" python3 bench/gpu_pin.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
         agree) timeout "$limit" python3 bench/gpu_agree32.py --out "$dir" >"$dir/log.txt" 2>&1 ;;
         tests) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py tests/test_batch_triton.py \
@@ -108,7 +96,7 @@ run_step() {
                   tests/test_span_triton.py tests/test_gdn_triton.py tests/test_conv_triton.py tests/test_norm_triton.py >"$dir/log.txt" 2>&1 ;;
         tests_gpu) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py >"$dir/log.txt" 2>&1 ;;
         tests_steps) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py \
-                  -k "steps_mix or image_rows or specialists or options or host_tier or cached_rows or past_the_chunk" >"$dir/log.txt" 2>&1 ;;
+                  -k "steps_mix or image_rows or specialists or options or host_tier or cached_rows or 9000_token" >"$dir/log.txt" 2>&1 ;;
         *) echo "gpu_session: no step '$name'" | tee "$dir/log.txt"; return ;;
     esac
     rc=$?
@@ -119,7 +107,7 @@ run_step() {
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [batchv]=200 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [profile]=390 [batch]=150 [specialists]=280 [images]=200 [agree]=240 [tests]=240)
+declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [profile]=390 [agree]=240 [tests]=240)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}

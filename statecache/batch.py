@@ -12,10 +12,8 @@ sequence: no kernel that mixes tokens reads or writes them.
 
 With specialists (statecache.specialists) every piece runs with its own route (the route of the checkpoint it
 continues from: a per-token route index, so one graph serves any mix of routes) and the forward leaves each
-sequence's router feature sum over its piece in `st.F`; `rows_batched` carries the sums on from the checkpoints',
-plants checkpoints with them, and asks the router once the question has run. A row whose router disagrees with the
-route it ran with (a misprediction) keeps nothing of that run and runs again through `StateCache.row` with the
-router's route.
+sequence's router feature sum over its piece in `st.F` (statecache.step carries the sums on from the checkpoints',
+plants checkpoints with them, and asks the router once the question has run).
 
 `BatchRunner.forward(pieces)` runs one packed forward (on CUDA one replay of the graph of its (batch-size, total-token)
 buckets, with or without snapshots, every per-sequence number in the graph's input buffer: the kernels loop over each
@@ -29,16 +27,9 @@ most SNAPS_PER_PIECE), written to slots of `st.snap_S` / `st.snap_conv` (at most
 delta-rule kernel as its chunk ends there and by a gather of the conv inputs; `snapshot` reads them. Only forwards
 that keep snapshots (graphs of their own, keyed so) run this (hits' questions alone never need it).
 
-`rows_batched` (behind statecache.cache.StateCache.rows_batched) turns cache rows into pieces: each row restores its
-deepest checkpoint. A row whose remaining state and question fit one piece (a state grown by an agent's action)
-runs as that one piece, its new checkpoints kept as snapshots inside it, so every such row costs one forward beside
-the hits. Otherwise its remaining chunks (those ending at checkpoint positions, each cut into pieces of at most
-MAX_PIECE tokens, then the question) run as steps, one packed forward per step for every row still going. Forwards
-split at the largest batch, the token bucket and the snapshot slots; a failing forward is halved until the failing
-row stands alone, and only that row is given back as None. A row that plants gets its own K/V of [0, p) up front
-(the restored prefix, then each step's chunk), so its next step reads them like any group's. It knows checkpoints'
-payload layout (conv, S[, feature sum]) and groups' (K, V, serial) as statecache.cache makes them; nothing of
-Redis, the memo or the engine's grouping.
+Who runs which piece, and what is kept of it, is statecache.step's (the step loop over statecache.sched's
+scheduler). This module knows checkpoints' payload layout (conv, S[, feature sum]) and groups' (K, V, serial) as
+statecache.cache stores them; nothing of Redis, the memo, the cache's index or the schedule.
 """
 
 from __future__ import annotations
@@ -50,9 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cache import Answer
-from .graphs import MAX_OPTIONS, Staging, fill_options, n_options, new_stats, try_capture, wait_for_gpu
-from .runner import bucket
+from .graphs import MAX_OPTIONS, Staging, fill_options, new_stats, try_capture, wait_for_gpu
 from .specialists.lora import TokenRoutes
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch-size buckets (sequences per graph)
@@ -63,6 +52,14 @@ CHUNK = 64  # the delta rule's chunk: snapshots sit at multiples of it from a pi
 MAX_PIECE = 512  # the most tokens one sequence of a batch may have
 SNAPS_PER_PIECE = 3  # the most snapshots inside one piece (gdn_triton.delta_batch's limit)
 MAX_SNAPS = 16  # snapshot slots of a forward (each holds one GDN state of every layer: 48 MiB at the 9B shape)
+
+
+def bucket(n: int, sizes) -> int | None:
+    """The smallest of `sizes` (ascending) that holds n, or None."""
+    for b in sizes:
+        if n <= b:
+            return b
+    return None
 
 
 @dataclass
@@ -123,6 +120,14 @@ class BatchState:
         self.V = torch.zeros_like(self.K)
         # specialists: each slot's router feature sum over its piece's tokens (float32)
         self.F = torch.zeros(max_batch, cfg.hidden_size, device=device, dtype=torch.float32) if features else None
+
+    def checkpoint_bytes(self) -> int:
+        """What one sequence's saved state takes (a checkpoint: every GDN layer's state and conv tail)."""
+        return self.S[:, 0].nbytes + self.conv[:, 0].nbytes
+
+    def position_bytes(self) -> int:
+        """What one position of one sequence's attention K/V takes (K and V of every attention layer)."""
+        return self.K[:, :1].nbytes + self.V[:, :1].nbytes
 
 
 @dataclass
@@ -285,8 +290,8 @@ class BatchRunner:
     tokens per forward (default max_batch * max_piece); max_pos: the longest key span (sizes the span kernel's
     splits); graphs: CUDA graphs (default on CUDA; they need the Triton kernels); pad: bucket the shapes (always with
     graphs); pool: the graph memory pool to share; triton: the Triton batch kernels (default: where the kernels
-    object has statecache's short kernels, i.e. FlaKernels); specialists: a statecache.specialists.Specialists (the
-    chunk runner's own), or None for the trunk; max_snaps: snapshot slots per forward (states kept inside pieces,
+    object has statecache's short kernels, i.e. FlaKernels); specialists: a statecache.specialists.Specialists, or
+    None for the trunk; max_snaps: snapshot slots per forward (states kept inside pieces,
     `Piece.snaps`; 0: none; none with specialists, whose checkpoints also need the router's feature sum there)."""
 
     def __init__(self, model, kernels, *, max_slots: int = 4, max_batch: int = 64, max_tokens: int | None = None,
@@ -589,11 +594,6 @@ class BatchRunner:
             t += n
         return pos3, ((torch.cat(idx), torch.cat(vals)) if idx else None)
 
-    def rows_batched(self, cache, rows, log, found=None) -> list:
-        """`rows_batched` (below) with this runner: what StateCache.rows_batched calls (statecache.cache knows this
-        runner only as the object it was handed, and imports nothing of this module)."""
-        return rows_batched(cache, self, rows, log, found)
-
     def _count(self, B: int) -> None:
         self.stats["forwards"] += 1
         self.stats["sequences"] += B
@@ -666,195 +666,3 @@ class BatchRunner:
         return {"graphs": sum(g is not None for g in self.graphs.values()),
                 "seconds": round(time.perf_counter() - t0, 2),
                 "failed": self.failures[:3]}
-
-
-# ---- rows of the state cache --------------------------------------------------------------------------------------
-
-
-CKPT, MID, QUESTION = "ckpt", "mid", "question"  # the kinds of a row's pieces (see _Row.todo)
-
-
-@dataclass(eq=False)
-class _Row:
-    i: int
-    ids: object
-    slots: list
-    nopts: list
-    p: int
-    best: object  # the restored Checkpoint
-    todo: list  # [(s, e, kind)] still to run: CKPT (ends at a checkpoint), MID (part of a longer state chunk), the
-    # last one QUESTION [p, n)
-    conv: torch.Tensor  # the state at the next piece's start
-    S: torch.Tensor
-    K: torch.Tensor
-    V: torch.Tensor
-    newK: torch.Tensor | None = None  # a planting row's K/V of [0, p) (the old group's prefix, then its chunks)
-    newV: torch.Tensor | None = None
-    snaps: list | None = None  # [(pos, conv, S, feature sum | None)] to plant
-    probs: list | None = None
-    route: int = 0  # specialists: the route it runs with (its checkpoint's)
-    fsum: torch.Tensor | None = None  # specialists: the router's feature sum over [0, next piece's start)
-    inside: tuple = ()  # one piece [c0, n) that plants: the checkpoint positions it snapshots inside (Piece.snaps)
-
-
-def _plan(cache, i: int, ids, state_len: int, slots, nopts, runner: "BatchRunner", found=None) -> _Row | None:
-    """A row's pieces from its deepest checkpoint, or None (no checkpoint, a piece too long, not eligible). A row
-    whose state grew by a few checkpoints' worth runs as one piece from the checkpoint to its question's end, the
-    new checkpoints snapshotted inside it (one forward); otherwise its state chunks run as pieces of their own
-    (longer ones cut at MAX_PIECE), then the question. found: (checkpoint, index version) of the caller's own
-    `cache.index.lookup(ids, limit=p)`, used while the version holds."""
-    if not cache.eligible(state_len, slots) or len(slots) != len(nopts):
-        return None
-    p, n, max_piece = cache.state_end(state_len), len(ids), runner.max_piece
-    if found is not None and found[1] == cache.index.version:  # nothing planted, evicted or touched since
-        best = found[0]
-    else:
-        best = cache.index.lookup(ids, limit=p)
-    if n - p > max_piece:  # a question longer than a piece: one at a time (no K/V buffer for its middle)
-        return None
-    best = cache.bring(best, ids, p)  # a host checkpoint copied back to the device
-    if best is None:
-        return None
-    ends = cache.plan(state_len, best.pos, cache.fork_point(ids, p, best.pos))
-    inside: tuple = ()
-    if ends and n - best.pos <= max_piece and len(ends) <= min(SNAPS_PER_PIECE, runner.max_snaps):
-        todo, inside = [(best.pos, n, QUESTION)], tuple(ends)
-    else:
-        todo, a = [], best.pos
-        for e in ends:  # a state chunk longer than a batch piece runs as several pieces, the last one at the checkpoint
-            while e - a > max_piece:
-                todo.append((a, a + max_piece, MID))
-                a += max_piece
-            todo.append((a, e, CKPT))
-            a = e
-        todo.append((p, n, QUESTION))
-    conv, S = best.payload[:2]
-    K, V = best.group.payload[:2]
-    r = _Row(i, ids, tuple(slots), tuple(nopts), p, best, todo, conv, S, K, V, inside=inside)
-    if cache.runner.spec is not None:  # it runs with its checkpoint's route (StateCache.guess), from its feature sum
-        r.route, r.fsum = best.route, best.payload[2].clone()
-    if ends:  # it plants: its own K/V of [0, p), starting from the restored prefix
-        r.newK = K.new_empty((K.shape[0], p, *K.shape[2:]))
-        r.newV = V.new_empty((V.shape[0], p, *V.shape[2:]))
-        r.newK[:, : best.pos].copy_(K[:, : best.pos])
-        r.newV[:, : best.pos].copy_(V[:, : best.pos])
-        r.snaps = []
-    return r
-
-
-def _step(runner: BatchRunner, rows: list[_Row], log) -> list[_Row]:
-    """One forward of the rows' next pieces (halved on failure); returns the rows that failed."""
-    pieces, asks = [], False
-    for r in rows:
-        s, e, kind = r.todo[0]
-        if kind == QUESTION:
-            asks = True
-            pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None, r.slots, r.nopts,
-                                r.route, r.inside, keep_state=False))  # a question's end state is never read
-        else:
-            pieces.append(Piece(r.ids, s, e, r.conv, r.S, r.K if s else None, r.V if s else None, route=r.route))
-    try:
-        runner.ensure_pieces(pieces)
-        runner.load(pieces)
-        out = runner.forward(pieces)
-        # waits for the GPU; numpy's views of the answers are slices (a torch slice costs ~1 us)
-        probs = runner.read(out).numpy() if asks else None
-    except Exception as ex:  # noqa: BLE001 - isolate the failing row by halving
-        if len(rows) == 1:
-            log.warning("batched row failed: %s: %s", type(ex).__name__, str(ex)[:200])
-            return rows
-        h = len(rows) // 2
-        return _step(runner, rows[:h], log) + _step(runner, rows[h:], log)
-    for b, r in enumerate(rows):  # the forward went through: snapshots, chunk K/V and answers
-        s, e, kind = r.todo.pop(0)
-        if r.fsum is not None:
-            r.fsum = r.fsum + runner.st.F[b]
-        if kind != QUESTION:  # a state piece: its K/V into the row's own buffer, its end state carried on
-            Kc, Vc = runner.chunk_kv(pieces, b)
-            r.newK[:, s:e].copy_(Kc)
-            r.newV[:, s:e].copy_(Vc)
-            r.conv, r.S = runner.st.conv[:, b].clone(), runner.st.S[:, b].clone()
-            r.K, r.V = r.newK, r.newV
-            if kind == CKPT:
-                r.snaps.append((e, r.conv, r.S, None if r.fsum is None else r.fsum.clone()))
-        else:
-            if r.inside:  # the state [s, p) it planted on the way: K/V and the snapshots kept inside the piece
-                Kc, Vc = runner.chunk_kv(pieces, b)
-                r.newK[:, s : r.p].copy_(Kc[:, : r.p - s])
-                r.newV[:, s : r.p].copy_(Vc[:, : r.p - s])
-                for pos, (conv, S) in zip(r.inside, runner.snapshot(pieces, b)):
-                    r.snaps.append((pos, conv.clone(), S.clone(), None))
-            r.probs = [probs[b, j, : n_options(k)].tolist() for j, k in enumerate(r.nopts)]
-    return []
-
-
-def rows_batched(cache, runner: BatchRunner, rows, log, found=None) -> list:
-    """statecache.cache.StateCache.rows_batched: [(ids, state_len, slots, nopts)] -> [Answer | None]; None for a row
-    that has no checkpoint, whose question does not fit a batch piece, or that failed (the caller runs those one at a
-    time). With specialists a misprediction runs again here, one at a time (`StateCache.row` with the router's
-    route; its answer counts both runs' tokens). found: per row None or (checkpoint, index version) of the caller's
-    lookup of it (`_plan`)."""
-    if (runner.spec is None) != (cache.runner.spec is None):
-        raise ValueError("the batch runner and the cache's chunk runner must share their specialists (or both have none)")
-    out: list = [None] * len(rows)
-    live: list[_Row] = []
-    for i, row in enumerate(rows):
-        try:
-            r = _plan(cache, i, *row, runner, found[i] if found is not None else None)
-        except Exception as ex:  # noqa: BLE001 - a bad row is left to the caller
-            log.warning("row %d cannot be batched: %s: %s", i, type(ex).__name__, str(ex)[:200])
-            r = None
-        if r is not None:
-            live.append(r)
-    done: list[_Row] = []
-    while live:
-        groups, cur, tokens, snaps = [], [], 0, 0
-        for r in live:
-            n = r.todo[0][1] - r.todo[0][0]
-            if cur and (len(cur) == runner.max_batch or tokens + n > runner.max_tokens
-                        or snaps + len(r.inside) > runner.max_snaps):
-                groups.append(cur)
-                cur, tokens, snaps = [], 0, 0
-            cur.append(r)
-            tokens += n
-            snaps += len(r.inside)
-        groups.append(cur)
-        failed = set()
-        for grp in groups:
-            failed.update(_step(runner, grp, log))
-        done += [r for r in live if r not in failed and not r.todo]
-        live = [r for r in live if r not in failed and r.todo]
-    spec, again = runner.spec, []
-    routes = [None] * len(done)
-    if spec is not None and done:  # the router over each whole row: one read for the batch
-        F = torch.stack([r.fsum for r in done])
-        n_tok = torch.tensor([float(len(r.ids)) for r in done], device=F.device)
-        routes = spec.router.logits(F / n_tok[:, None]).argmax(-1).tolist()
-    for r, route in zip(done, routes):
-        c0, n = r.best.pos, len(r.ids)
-        if route is not None and route != r.route:  # a misprediction: nothing of this run is kept
-            cache.stats["mispredict"] += 1
-            again.append((r, route, n - c0))
-            continue
-        path = "hit" if c0 == r.p else "partial"
-        st = cache.stats
-        st["rows"] += 1
-        st["batched"] = st.get("batched", 0) + 1
-        st["hits" if path == "hit" else path] += 1
-        st["tokens_reused"] += c0
-        st["tokens_computed"] += n - c0
-        cache.index.touch(r.best)
-        if r.snaps:  # a group of its own, its K/V those the batch wrote
-            cache._plant(r.ids, r.p, r.snaps, r.route, (r.newK, r.newV))
-        if route is not None:
-            cache.last_route = route
-        out[r.i] = Answer(r.probs, path, c0, n - c0, route)
-    cache.stats["evicted"] += len(cache.index.evict())
-    for r, route, wasted in again:
-        ids, state_len, slots, nopts = rows[r.i]
-        ans = cache.row(ids, state_len, slots, nopts, known_route=route)
-        if ans is not None:
-            cache.stats["tokens_computed"] += wasted
-            ans.computed += wasted
-        out[r.i] = ans
-    return out

@@ -38,9 +38,9 @@ def kv_bytes(cfg: TextConfig, tokens: int, dtype_bytes: int) -> int:
     return len(cfg.full_layers) * tokens * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 
-def checkpoints_planted(tokens: int, stride: int = 2048, tail: int = 16, align: int = 64, max_chunk: int = 2048) -> int:
+def checkpoints_planted(tokens: int, stride: int = 2048, tail: int = 16, align: int = 64) -> int:
     """How many checkpoints one state of `tokens` plants from scratch (the cache's own plan: index.plan_chunks)."""
-    return len(plan_chunks(0, tokens, stride=stride, tail=tail, align=align, max_chunk=max_chunk))
+    return len(plan_chunks(0, tokens, stride=stride, tail=tail, align=align))
 
 
 def state_bytes(cfg: TextConfig, tokens: int, dtype_bytes: int, stride: int = 2048, tail: int = 16, align: int = 64) -> int:

@@ -14,15 +14,13 @@ Rows with images (checkpoints with a vision tower: statecache.images, statecache
 their memo and group keys include each image's content hash, the index knows their states by key tokens, and a piece
 holding image tokens runs in an eager forward of its own. So do rows with specialists (`specialists=`: every result
 then names its `route`): each runs with a route, guessed until its router has spoken over the whole row, and one the
-router disagrees with runs again with the router's route (statecache.step). Rows the step loop does not take run at
-submission through the paths that came before it (`_run`): rows a step gave back (`retry`), and every row when there
-is no batched runner (`batch=0`), or no step loop (a cache aligned off the 64-token chunks); start-up warms and
-captures these paths only in the last two cases (`others_warm`). There: rows of saved states through one batched
-call (StateCache.rows_batched), new states through the plain path's forwards (statecache.plain, statecache.plant),
-what those leave one row at a time through the state cache; the checkpoints they restore are pinned meanwhile.
+router disagrees with runs again with the router's route (statecache.step). A row whose checkpoint could not be
+brought back (`retry`) is scheduled again, in the end from nothing; a row with more answer slots at one position than a piece holds runs
+as several rows of the same tokens, its answers put back together (`_split`). `uncached(rows)` runs rows through the
+same step loop without the cache (no lookup, no planting, no memo): what a cached answer must equal.
 
 A bad row gets an error result; a failing forward fails only its row (the step loop halves it until the failing
-piece stands alone; the other paths fail the rows of that group or forward). Not thread-safe: one thread drives it.
+piece stands alone). Not thread-safe: one thread drives it.
 Knows nothing of Redis or asyncio.
 """
 from __future__ import annotations
@@ -31,27 +29,24 @@ import dataclasses
 import logging
 import string
 import time
-from collections import OrderedDict
 
 import torch
 
 from .budget import (DEFAULT_FRACTION, Budget, DeviceTooSmall, cache_budget, check_fits, device_free_bytes,
                      forward_workspace_bytes, rebudget)
-from .cache import CacheSettings, StateCache
+from .cache import Answer, CacheSettings, StateCache
 from .compile_cache import use_persistent_caches
 from .kernels import kernels_for
 from .config import load_config
 from .loader import load_weights
-from .index import as_ids
 from .memo import Memo, row_key
 from .model import Qwen35
-from .plain import PlainPath
-from .policy import ColdContext, ColdPolicy, PlantWhenItFits, load_policy
+from .policy import ColdPolicy, PlantWhenItFits, load_policy
 from .rows import CheckedRow, RowError, check_row, error_result
-from .runner import ChunkRunner
 from .text import answer_tokens, text_bound
 from .specialists import load_specialists
-from .batch import CHUNK
+from .batch import CHUNK, BatchRunner
+from .sched import slots_at_one_position
 from .step import BUDGET_TOKENS, CHUNK_TOKENS, RowFailed, Steps
 
 log = logging.getLogger("statecache.engine")
@@ -74,6 +69,9 @@ MEMORY_CHECK_S = 2.0  # how often a step re-checks the device's free memory (sta
 # (57 s with warm compile caches on an H100, bench/README.md); a survivor growing at once took that memory and the
 # new worker refused to start (s41_run3)
 GROW_AFTER_S = 120.0
+# a row given back by its step (`retry`: its checkpoint could not come back to the device budget, which the other
+# restores of that step held) is looked up and scheduled again this many times, then runs once from nothing
+RETRIES_CACHED = 4
 
 
 def _now() -> float:
@@ -82,8 +80,7 @@ def _now() -> float:
 
 class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
-                 *, settings: CacheSettings | None = None, max_pos: int = 8192, memo_entries: int = 4096,
-                 max_row_tokens: int = 32768, plain_tokens: int = 16384, pad_chunks: bool | None = None,
+                 *, settings: CacheSettings | None = None, memo_entries: int = 4096, max_row_tokens: int = 32768,
                  compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
                  specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
                  auto_budget: bool | None = None, step_tokens: int = BUDGET_TOKENS,
@@ -135,39 +132,25 @@ class Engine:
         settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
         if cache_mb is not None:
             settings.mb = cache_mb
-        self.runner = ChunkRunner(self.model, self.kernels, max_pos=max_pos, max_slots=max(4, settings.max_slots), pad=pad_chunks,
-                                  specialists=self.specialists)
-        self.cache = StateCache(self.runner, settings)
+        if settings.align % CHUNK:
+            raise ValueError(f"the cache's alignment {settings.align} must be a multiple of {CHUNK} (the delta rule's "
+                             "chunk, where the step loop keeps states)")
+        if batch < 1:
+            raise ValueError(f"batch {batch}: the step loop runs at least one sequence a forward")
         # the step loop's runner takes rows up to the longest a row may be (its key span only sizes kernel splits)
-        self.cache.batch = self._batch_runner(batch, max(max_pos, max_row_tokens)) if batch > 0 else None
+        self.runner = self._batch_runner(max(4, settings.max_slots), batch, max_row_tokens)
+        st = self.runner.st
+        self.cache = StateCache(settings, self.device, checkpoint_bytes=st.checkpoint_bytes(),
+                                position_bytes=st.position_bytes())
         # image rows (a checkpoint with a vision tower and an image processor): known before start-up captures
         from .images import ImageSupport
 
         self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
-        # the step loop (statecache.step) runs every row, image rows and specialists included, where the batched
-        # runner runs (its snapshots sit on its 64-token chunks, so the cache's checkpoints must too). The engine's
-        # other paths (the chunk runner, statecache.plain) then serve only rows a step gave
-        # back (`retry`): start-up captures and warms them only where there is no step loop; else they capture on
-        # first use, and the largest forward the device must leave room for is the step's.
-        step_loop = self.cache.batch is not None and self.cache.s.align % CHUNK == 0
-        self.others_warm = not step_loop
         self.precapture_info = None
         if precapture and self.runner.use_graphs:
-            self.precapture_info = info = (self.runner.precapture() if self.others_warm
-                                           else {"graphs": 0, "seconds": 0.0, "failed": []})
-            if self.others_warm:
-                log.info("precaptured %d chunk graphs in %.1f s%s", info["graphs"], info["seconds"],
-                         f"; failed: {info['failed']}" if info["failed"] else "")
-            if self.cache.batch is not None:
-                info["batch"] = self.cache.batch.precapture()
-                log.info("precaptured %d batch graphs in %.1f s", info["batch"]["graphs"], info["batch"]["seconds"])
-        self.plain = PlainPath(self.model, self.kernels, plain_tokens, pool=self.runner.pool,  # one graph pool
-                               specialists=self.specialists)
-        if self.precapture_info is not None and self.others_warm:
-            self.precapture_info["packed_warmup_s"] = self._warm_packed()
-            self.precapture_info["plain"] = self.plain.precapture()  # short lone rows' graphs
-        if self.precapture_info is not None:
-            self.plain.capture_on_demand = False  # nothing is captured while serving (other lone rows run packed)
+            self.precapture_info = {"batch": self.runner.precapture()}
+            log.info("precaptured %d batch graphs in %.1f s", self.precapture_info["batch"]["graphs"],
+                     self.precapture_info["batch"]["seconds"])
         # image rows: the vision tower loads before the cache's budget is sized from the memory left
         self.embeddings = None
         if self.images is not None:
@@ -175,8 +158,7 @@ class Engine:
 
             self.embeddings = Embeddings(self.images, VisionTower.from_checkpoint(self.model_dir, self.device, self.dtype))
         self._reserved0: int | None = None  # set by _size_cache where the budget comes from the device
-        largest = max(plain_tokens, max_row_tokens) if self.others_warm else self.cache.batch.max_tokens
-        self.budget = self._size_cache(settings, auto_budget, cache_fraction, largest)
+        self.budget = self._size_cache(settings, auto_budget, cache_fraction, self.runner.max_tokens)
         self.budget_at_start = self.budget
         self.memory = {"rechecks": 0, "shrunk": 0, "grown": 0, "grow_deferred": 0}  # the budget re-checked while serving
         self._grow_since: float | None = None  # when the free memory first allowed a larger budget (recheck_memory)
@@ -184,47 +166,17 @@ class Engine:
         self.memo = Memo(memo_entries)
         self.max_row_tokens = max_row_tokens
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
-        self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0}
-        # wall seconds and rows per phase (the GPU is synchronised at the end of each, so these are where the engine's
-        # time goes): the step loop's steps (step_*: rows it finished), and the other paths' phases of `_run`
-        self.phases = {**{f"{k}_{u}": 0 for k in ("step", "batched", "packed", "one_by_one") for u in ("s", "rows")},
-                       "step_cpu_s": 0, "steps": 0, "packed_cpu_s": 0}
-        self.steps = None
-        if step_loop:
-            self.steps = Steps(self.cache, self.cache.batch, self.cold_ok, budget_tokens=step_tokens,
-                               chunk_tokens=step_chunk)
+        self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0,
+                       "retried": 0, "split": 0}
+        # wall seconds of `step` calls, the rows they finished, this thread's CPU seconds in them and steps launched
+        self.phases = {"step_s": 0, "step_rows": 0, "step_cpu_s": 0, "steps": 0}
+        self.steps = Steps(self.cache, self.runner, self.cold_ok, budget_tokens=step_tokens, chunk_tokens=step_chunk)
         self._flight: dict = {}  # memo key of a scheduled row -> the tags waiting for it (the first is its own)
+        self._parts: dict = {}  # the parts of split rows in the schedule (`_schedule`): _Part -> None
+        self._wholes: dict = {}  # a split row's key -> its _Whole
+        self._retried: dict = {}  # key of a row given back -> its tries so far (`step`)
         if self.cache.host is not None:  # start-up's captures are done: the host tier prepares its slabs meanwhile
             self.cache.host.start()
-
-    def _warm_packed(self) -> float:
-        """Run the packed forward (eager: nothing to capture) on dummy rows of a few lengths, planting and not, so
-        that its compiled pieces settle on dynamic shapes and fla autotunes its varlen kernels now, before the
-        first rows are served (measured on an H200, 9B: the first packed batch otherwise took 83 s). Seconds."""
-        t0 = time.perf_counter()
-        gen = torch.Generator().manual_seed(0)
-
-        def dummy(n: int):
-            return (torch.randint(0, self.vocab_size, (n,), generator=gen).tolist(), [n - 1], [4])
-
-        # lengths: the Triton kernels (fla's and ours) specialise on whether integer arguments such as the packed
-        # token count are multiples of 16, so the sets cover both classes; then batches like agents' new pages
-        # (1-8 rows of 1-5k tokens; a forward past plain_tokens splits): with only the first three sets, a first 4-
-        # and 8-row batch each paid seconds of compilation while serving (bench/README.md, session 5)
-        sizes = [(1100,), (3100, 2100), (700, 1500, 2600), (1117, 2203), (1600, 2405, 3003, 1571)]
-        for k, count in enumerate((1, 2, 3, 4, 6, 8)):
-            sizes.append(tuple(int(x) for x in torch.randint(1000, 5000, (count,), generator=gen)))
-        for lens in sizes:
-            rows = [dummy(n) for n in lens]
-            plant = self.specialists is None and all(self.cache.eligible(n - 40, r[1]) for r, n in zip(rows, lens))
-            self.plain.run(rows, [self.cache.plan(n - 40) for n in lens] if plant else None)
-            if len(rows) > 1:
-                self.plain.run(rows)  # the packed forward without planting
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = round(time.perf_counter() - t0, 2)
-        log.info("warmed the packed forward up in %.1f s", seconds)
-        return seconds
 
     def _size_cache(self, settings: CacheSettings, auto: bool, fraction: float | None, largest: int) -> Budget:
         """The cache's bound (statecache.budget): the caller's figure, else on CUDA a fraction of the memory free now
@@ -267,22 +219,16 @@ class Engine:
             args["max_row_tokens"] = s.max_row_tokens
         return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
 
-    def _batch_runner(self, max_batch: int, max_pos: int):
-        """The batched-continuation runner (statecache.batch), or None when it cannot run here: CUDA graphs need its
-        Triton kernels (fla's kernels object); eagerly (CPU) the torch loop serves. With specialists each sequence
-        runs with its own route."""
-        from .batch import BatchRunner
-
+    def _batch_runner(self, max_slots: int, max_batch: int, max_keys: int) -> BatchRunner:
+        """The step loop's runner (statecache.batch): CUDA graphs over statecache's Triton kernels where they serve
+        this model and device, else the same forwards eagerly (the CPU; a model whose shapes the Triton kernels do not
+        take runs eagerly on the GPU too, slowly). With specialists each sequence runs with its own route."""
+        kw = dict(max_slots=max_slots, max_batch=max_batch, max_pos=max_keys, specialists=self.specialists)
         try:
-            return BatchRunner(self.model, self.kernels, max_slots=self.runner.max_slots, max_batch=max_batch,
-                               max_pos=max_pos, pool=self.runner.pool, graphs=self.runner.use_graphs,
-                               specialists=self.specialists)
-        except ValueError as e:  # a model or device it cannot serve: the engine's other paths serve every row
-            log.warning("no step loop: %s; every row takes the engine's other paths", e)
-            return None
-        except Exception:  # noqa: BLE001 - rows then run one at a time
-            log.exception("no batched continuations")
-            return None
+            return BatchRunner(self.model, self.kernels, **kw)
+        except ValueError as e:
+            log.warning("the batched runner runs eagerly: %s", e)
+            return BatchRunner(self.model, self.kernels, graphs=False, triton=False, **kw)
 
     # ---- a batch --------------------------------------------------------------------------------------------------
 
@@ -308,16 +254,13 @@ class Engine:
 
     def submit(self, rows: list, tags: list, waiting_rows: int = 0) -> list[tuple]:
         """Rows in, each with its caller's tag -> (tag, result) for the rows answered at once: bad rows (their
-        error), memo answers and the rows the step loop does not take (without a step loop: run now through the
-        engine's other paths). The others join the schedule; `step` answers
-        them. A row equal to one already scheduled is answered with it (path "memo")."""
+        error) and memo answers. The others join the schedule; `step` answers them. A row equal to one already
+        scheduled is answered with it (path "memo")."""
         if len(tags) != len(rows):
             raise ValueError(f"{len(tags)} tags for {len(rows)} rows")
         self.counts["batches"] += 1
         out: list = []
-        todo = []  # (tag, row, memo key) for the other paths
-        if self.steps is not None:
-            self.steps.sched.backlog = max(0, int(waiting_rows or 0))
+        self.steps.sched.backlog = max(0, int(waiting_rows or 0))
         for tag, raw in zip(tags, rows):
             self.counts["rows"] += 1
             got = self._prepare(0, raw)
@@ -329,24 +272,55 @@ class Engine:
                 out.append((tag, hit))
             elif key in self._flight:  # the same row again while it runs: answered with it
                 self._flight[key].append(tag)
-            elif self.steps is not None and self.steps.takes(row):
-                self._flight[key] = [tag]
-                self.steps.add(key, row)
             else:
-                todo.append((tag, row, key))
-        out += self._other_paths(todo, len(rows), waiting_rows)
+                self._flight[key] = [tag]
+                self._schedule(key, row)
         return out
+
+    def uncached(self, rows: list, *, results: bool = False) -> list:
+        """Each row's probabilities (one list per slot) from the same step loop without the cache: no lookup, nothing
+        planted, no memo; what a cached answer must equal (results=True: each row's whole result, its route with
+        specialists). Runs on an empty schedule; a bad row raises ValueError."""
+        if self.pending():
+            raise RuntimeError("uncached() needs an empty schedule (step the rows in it to their end first)")
+        for i, raw in enumerate(rows):
+            got = self._prepare(i, raw)
+            if isinstance(got, dict):
+                raise ValueError(f"row {i}: {got}")
+            key = _Uncached(i)
+            self._flight[key] = [i]
+            self._schedule(key, got[0], fresh=True)
+        out: list = [None] * len(rows)
+        while self.pending():
+            for i, res in self.step():
+                out[i] = res
+        for i, res in enumerate(out):
+            if "probs" not in res:
+                raise RuntimeError(f"row {i} failed: {res}")
+        return out if results else [res["probs"] for res in out]
 
     def pending(self) -> int:
         """Rows in the schedule (`step` has work)."""
-        return self.steps.pending() if self.steps is not None else 0
+        return self.steps.pending()
+
+    def _schedule(self, key, row: dict, fresh: bool = False) -> None:
+        """A checked row into the step loop; one with more slots at one position than a piece holds as parts."""
+        if slots_at_one_position(row["slots"]) > self.runner.max_slots:
+            self.counts["split"] += 1
+            parts = _split(row, self.runner.max_slots)
+            self._wholes[key] = _Whole([idx for idx, _ in parts])
+            for k, (_, part) in enumerate(parts):
+                self._parts[_Part(key, k)] = None
+                self.steps.add(_Part(key, k), part, fresh=fresh)
+            return
+        self.steps.add(key, row, fresh=fresh)
 
     def step(self) -> list[tuple]:
         """Launch the schedule's next step and finish the one before it (statecache.step.Steps: the device runs one
-        step while the host prepares the next) -> (tag, result) for each row that finished; a row the step could not
-        run goes through the engine's other paths now (one at a time), except one that ran out of device memory
-        alone (its `out_of_memory` error)."""
-        if self.steps is None or not self.steps.pending():
+        step while the host prepares the next) -> (tag, result) for each row that finished. A row whose run was
+        given back (`retry`: its checkpoint could not come back to the device) is scheduled again (RETRIES_CACHED
+        times, then from nothing; given back once more, it fails)."""
+        if not self.steps.pending():
             return []
         t0, c0 = time.perf_counter(), time.thread_time()
         if self._reserved0 is not None and t0 >= self._recheck_at:
@@ -355,34 +329,65 @@ class Engine:
         declined, launched = self.steps.sched.stats["declined"], self.steps.stats["steps"]
         done = self.steps.step()
         self.counts["declined"] += self.steps.sched.stats["declined"] - declined
-        self._phase("step", len(done), t0, c0)
         self.phases["steps"] += self.steps.stats["steps"] - launched  # steps launched (a call may only finish one)
-        out, again = [], []
+        out = []
         for key, ans in done:
+            if isinstance(ans, RowFailed) and ans.code == "retry":
+                tries = self._retried.get(key, 0)
+                if tries <= RETRIES_CACHED:  # looked up again (the restores it competed with are done), then fresh
+                    self.counts["retried"] += 1
+                    self._retried[key] = tries + 1
+                    self.steps.add(key, ans.row, fresh=tries == RETRIES_CACHED)
+                    continue
+            self._retried.pop(key, None)
+            if isinstance(key, _Part):
+                key, ans = self._joined(key, ans)
+                if key is None:
+                    continue
             tags = self._flight.pop(key)
             if isinstance(ans, RowFailed):
-                if ans.code == "retry":  # e.g. its checkpoint could not come back to the device: the other paths
-                    again += [(tag, ans.row, key) for tag in tags]
-                    continue
-                res = self._error(ans.code, ans.message)
+                res = self._error("internal" if ans.code == "retry" else ans.code, ans.message)
             else:
                 res = self._result(ans)
+                if isinstance(key, _Uncached):
+                    out.append((tags[0], res))
+                    continue
                 if ans.path == "plain":
                     self.counts["plain"] += 1
                     self.counts["plain_tokens"] += ans.computed
                 self.memo.put(key, res)
             out.append((tags[0], res))
             out += [(tag, self._memo(key) or self._repeat(res)) for tag in tags[1:]]
-        if again:
-            out += self._other_paths(again, len(again), 0)
+        self._phase("step", len(out), t0, c0)
         return out
+
+    def _joined(self, part: "_Part", ans):
+        """A part of a split row finished -> (the whole's key, its Answer or RowFailed) once every part has, else
+        (None, None)."""
+        del self._parts[part]
+        whole = self._wholes[part.key]
+        whole.got[part.k] = ans
+        if any(a is None for a in whole.got):
+            return None, None
+        del self._wholes[part.key]
+        failed = [a for a in whole.got if isinstance(a, RowFailed)]
+        if failed:
+            return part.key, failed[0]
+        probs: list = [None] * sum(len(idx) for idx in whole.slots)
+        for idx, a in zip(whole.slots, whole.got):
+            for j, pr in zip(idx, a.probs):
+                probs[j] = pr
+        first = whole.got[0]
+        return part.key, Answer(probs, first.path, first.reused, sum(a.computed for a in whole.got), whole.got[-1].route)
 
     def clear_schedule(self) -> list[tuple]:
         """Give up every row in the schedule (a step raised past its own isolation) -> the tags that waited on them."""
-        if self.steps is not None:
-            self.steps.clear()
+        self.steps.clear()
         tags = [tag for waiting in self._flight.values() for tag in waiting]
         self._flight.clear()
+        self._parts.clear()
+        self._wholes.clear()
+        self._retried.clear()
         return tags
 
     def _repeat(self, res: dict) -> dict:
@@ -390,24 +395,6 @@ class Engine:
             return dict(res)
         self.counts["memo"] += 1
         return dict(res, path="memo", reused=0, computed=0)
-
-    def _other_paths(self, todo: list, batch_rows: int, waiting_rows: int) -> list[tuple]:
-        """Rows (tag, row, memo key) through the paths before the step loop (`_run`), now -> (tag, result)."""
-        if not todo:
-            return []
-        first: dict = {}
-        items, repeats = [], []
-        for k, (tag, row, key) in enumerate(todo):
-            if key in first:
-                repeats.append((k, first[key]))
-            else:
-                first[key] = k
-                items.append((k, row, key))
-        results: list = [None] * len(todo)
-        self._run(items, batch_rows, waiting_rows, results)
-        for k, j in repeats:
-            results[k] = self._repeat(results[j])
-        return [(todo[k][0], res) for k, res in enumerate(results)]
 
     def _prepare(self, i: int, raw):
         """One row checked (text rows tokenised, images decoded) -> (row, memo key), or its error result (a dict).
@@ -440,79 +427,6 @@ class Engine:
         self.phases[f"{name}_rows"] += rows
         if c0 is not None:  # this thread's CPU seconds (a CUDA synchronisation that spins counts as CPU time too)
             self.phases[f"{name}_cpu_s"] += time.thread_time() - c0
-
-    def _run(self, todo, batch_rows: int, waiting_rows: int, results) -> None:
-        """Compute the distinct rows of a batch, short work first (see the module docstring):
-        1. one batched call (statecache.batch) for every row of a state saved at its end and the first row of each
-           grown state (it plants the state's end);
-        2. a second batched call for the rows behind grown states (now hits);
-        3. the plain path's forwards for the rows the cache cannot take and the first row of each new state the
-           cold_ok policy lets plant (it plants): packed in arrival order (`PlainPath.forwards`); each forward's
-           answers are handed back when it ends, and the rows behind its new states run batched right after it (now
-           hits);
-        4. one at a time through the cache: what a batch left, and everything when there is no batched runner."""
-        groups, plain = self._groups(todo)
-        pinned: list = []  # the checkpoints this batch's rows will restore, pinned in the index until the batch ends
-        try:
-            self._run_groups(groups, plain, batch_rows, waiting_rows, results, pinned)
-        finally:
-            for c in pinned:
-                self.cache.index.unpin(c)
-
-    def _run_groups(self, groups, plain, batch_rows: int, waiting_rows: int, results, pinned: list) -> None:
-        """`_run` for rows grouped by state (`_groups`); the checkpoints found for them are pinned into `pinned`."""
-        saved, grown, planting, chunked = [], [], [], []  # groups of rows (i, row, key)
-        version, found = self.cache.index.version, {}  # memo key -> (checkpoint, index version): the first batched
-        # call plans from these lookups instead of repeating them (while nothing is planted, evicted or touched)
-        for members in groups.values():
-            row = members[0][1]
-            best = self.cache.index.lookup(row["mm"].keys if "mm" in row else row["ids"], limit=self._p(row))
-            if best is not None:  # the batch's rows are taken: their states stay until they are read
-                self.cache.index.pin(best)
-                pinned.append(best)
-            if best is not None and "mm" in row:  # image rows continue one at a time (multimodal positions)
-                chunked.append(members)
-            elif best is not None:
-                (saved if best.pos == self._p(row) else grown).append(members)
-                found.update((key, (best, version)) for _, _, key in members)  # a group shares its state's lookup
-            elif self._plant_ok(members, batch_rows, waiting_rows):
-                # with specialists a new state plants through the cache's chunked path (route-aware checkpoints)
-                (chunked if self.specialists is not None else planting).append(members)
-            else:
-                self.counts["declined"] += 1
-                plain += members
-        later: list = []  # rows a batched call left
-        follow: dict = {}  # memo key of a new state's first row -> the rows behind it (they continue once it planted)
-        if self.cache.batch is not None:
-            later += self._batched([m for g in saved for m in g] + [g[0] for g in grown], results, found)
-            later += self._batched([m for g in grown for m in g[1:]], results)  # hits now, before the long forwards
-            follow = {g[0][2]: g[1:] for g in planting if "mm" not in g[0][1] and len(g) > 1}
-            chunked += [g[1:] for g in planting if "mm" in g[0][1]]
-        else:
-            chunked = saved + grown + chunked + [g[1:] for g in planting]
-        later += self._plain(plain, results, [g[0] for g in planting], follow)
-        for members in chunked + ([later] if later else []):
-            self._one_by_one(members, results)
-
-    def _one_by_one(self, members, results) -> None:
-        """Rows through the cache one at a time (`_cached_group`); what it declines goes plain; a failure fails only
-        these rows."""
-        t0 = time.perf_counter()
-        try:
-            plain_later = self._cached_group(members, results)
-        except RowError as e:  # an image that decoded when checked but not now
-            plain_later = []
-            for i, _, _ in members:
-                if results[i] is None:
-                    results[i] = self._error(e.code, e.message)
-        except Exception as e:  # noqa: BLE001
-            log.exception("cached path failed")
-            plain_later = []
-            for i, _, _ in members:
-                if results[i] is None:
-                    results[i] = self._error("internal", f"{type(e).__name__}: {e}")
-        self._phase("one_by_one", len(members), t0)
-        self._plain(plain_later, results)
 
     def _p(self, row) -> int:
         return self.cache.state_end(row["state_len"])
@@ -568,87 +482,6 @@ class Engine:
             return None
         return row["ids"], self._p(row), row["state_len"]
 
-    def _batched(self, items, results, found=None) -> list:
-        """Rows (i, row, memo key) that continue from saved states, through one StateCache.rows_batched call (each
-        distinct row once) -> the rows it left (for the cache one at a time). found: memo key -> (checkpoint, index
-        version) of the row's lookup (StateCache.rows_batched)."""
-        todo, uniq = [], {}
-        for i, row, key in items:
-            if results[i] is not None:
-                continue
-            if (hit := self._memo(key)) is not None:
-                results[i] = hit
-            elif key in uniq:
-                uniq[key][1].append(i)
-            else:
-                uniq[key] = (row, [i])
-                todo.append(key)
-        if not todo:
-            return []
-        t0 = time.perf_counter()
-        try:
-            answers = self.cache.rows_batched([(uniq[k][0]["ids"], uniq[k][0]["state_len"], uniq[k][0]["slots"],
-                                                uniq[k][0]["options"]) for k in todo],
-                                              None if not found else [found.get(k) for k in todo])
-        except Exception:  # noqa: BLE001 - the rows go one at a time instead
-            log.exception("batched rows failed")
-            answers = [None] * len(todo)
-        self._phase("batched", len(todo), t0)
-        left = []
-        for key, ans in zip(todo, answers):
-            row, where = uniq[key]
-            if ans is None:
-                left += [(i, row, key) for i in where]
-                continue
-            res = self._result(ans)
-            self.memo.put(key, res)
-            for n, i in enumerate(where):
-                results[i] = res if n == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
-        return left
-
-    def _groups(self, todo) -> tuple["OrderedDict[bytes, list]", list]:
-        """Eligible rows by their aligned state tokens (rows that can share a checkpoint), in first-seen order;
-        and the rows the cached path cannot take (for the plain path). The key is the bytes of the state's tokens
-        as int64 (exact: equal bytes, equal tokens; a row's ids are an int64 array already, an image row's key
-        tokens a list)."""
-        groups: OrderedDict = OrderedDict()
-        plain = []
-        for item in todo:
-            row = item[1]
-            if not self.cache.eligible(row["state_len"], row["slots"]):
-                plain.append(item)
-                continue
-            p = self._p(row)
-            keys = row["mm"].keys if "mm" in row else row["ids"]
-            groups.setdefault(as_ids(keys[:p]).tobytes(), []).append(item)
-        return groups, plain
-
-    def _plant_ok(self, members, batch_rows: int, waiting_rows: int) -> bool:
-        """The cold_ok policy, asked once for a new state (the group's shared state)."""
-        row = members[0][1]
-        idx = self.cache.index
-        ctx = ColdContext(state_tokens=self._p(row),
-                          state_bytes=self.cache.state_bytes(row["state_len"]), budget_bytes=idx.budget_bytes,
-                          used_bytes=idx.bytes, sharing_rows=len(members), batch_rows=batch_rows,
-                          waiting_rows=max(0, int(waiting_rows or 0)), host_budget_bytes=idx.host_budget_bytes)
-        return bool(self.cold_ok(ctx))
-
-    def _cached_group(self, members, results) -> list:
-        """Run a group's rows through the cache; returns those it declines (for the plain path)."""
-        declined = []
-        for i, row, key in members:
-            if (hit := self._memo(key)) is not None:  # the same row twice in one batch
-                results[i] = hit
-                continue
-            ans = self.cache.row(row["ids"], row["state_len"], row["slots"], row["options"], images=row.get("mm"))
-            if ans is None:
-                declined.append((i, row, key))
-                continue
-            res = self._result(ans)
-            self.memo.put(key, res)
-            results[i] = res
-        return declined
-
     def _result(self, ans) -> dict:
         """A row's result from the cache's Answer (the route by its name, with specialists)."""
         res = {"probs": ans.probs, "path": ans.path, "reused": ans.reused, "computed": ans.computed}
@@ -656,77 +489,10 @@ class Engine:
             res["route"] = self.specialists.names[ans.route]
         return res
 
-    def _plain(self, items, results, planting=(), follow=None) -> list:
-        """The plain path's forwards (statecache.plain) of `items` (nothing planted) and of `planting` (the first rows
-        of new states: their checkpoints are planted, their path is "cold"), one forward at a time in the order
-        `PlainPath.forwards` gives (packed in arrival order), each forward's answers handed back as soon as it ends. follow: memo key of a planting row -> the rows behind it,
-        run batched right after their state is planted. Returns the rows those batched calls left."""
-        unique: OrderedDict = OrderedDict()
-        for i, row, key in planting:
-            unique.setdefault(key, (row, [], True))[1].append(i)
-        for i, row, key in items:
-            unique.setdefault(key, (row, [], False))[1].append(i)
-        if not unique:
-            return []
-        entries = list(unique.items())
-        rows = [(r["ids"], r["slots"], r["options"], r.get("mm")) for _, (r, _, _) in entries]
-        plans = [self._cold_plan(r) if plant else None for _, (r, _, plant) in entries]
-        left: list = []
-        for fwd in self.plain.forwards(rows):
-            self._plain_forward([entries[k] for k in fwd], [rows[k] for k in fwd], [plans[k] for k in fwd], results)
-            behind = [m for k in fwd for m in (follow or {}).get(entries[k][0], ())]
-            if behind:
-                left += self._batched(behind, results)
-        return left
-
-    def _cold_plan(self, row) -> list[int]:
-        """The checkpoint positions a new state plants: the cache's plan, with its fork point (StateCache.fork_point:
-        where it leaves a cached state's tokens) when it has one."""
-        keys = row["mm"].keys if "mm" in row else row["ids"]
-        return self.cache.plan(row["state_len"], fork=self.cache.fork_point(keys, self._p(row), 0))
-
-    def _plain_forward(self, entries, rows, plans, results) -> None:
-        """One forward of the plain path: entries (memo key, (row, result indices, plants)); a failure fails only
-        its rows."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            outs, planted = self.plain.run(rows, plans)
-        except RowError as e:  # an image that decoded when checked but not now: the rows of this forward fail
-            for _, (_, idx, _) in entries:
-                for i in idx:
-                    results[i] = self._error(e.code, e.message)
-            return
-        except Exception as e:  # noqa: BLE001
-            log.exception("plain path failed")
-            for _, (_, idx, _) in entries:
-                for i in idx:
-                    results[i] = self._error("internal", f"{type(e).__name__}: {e}")
-            return
-        self._phase("packed", len(entries), t0, c0)
-        for (key, (row, idx, plant)), (probs, route), pl in zip(entries, outs, planted):
-            if plant:
-                try:
-                    keys = row["mm"].keys if "mm" in row else row["ids"]
-                    self.cache.plant_planted(keys, len(row["ids"]), pl.snaps(), pl.K, pl.V)
-                except Exception:  # noqa: BLE001 - the answer stands; only the planting is lost
-                    log.exception("planting a packed row's checkpoints failed")
-                res = {"probs": probs, "path": "cold", "reused": 0, "computed": len(row["ids"])}
-            else:
-                res = {"probs": probs, "path": "plain", "reused": 0, "computed": len(row["ids"])}
-                self.counts["plain"] += 1
-                self.counts["plain_tokens"] += len(row["ids"])
-            if route is not None:
-                res["route"] = self.specialists.names[route]
-            self.memo.put(key, res)
-            for k, i in enumerate(idx):
-                results[i] = res if k == 0 else (self._memo(key) or dict(res, path="memo", reused=0, computed=0))
-
     def gpu_wait_s(self) -> float:
         """Seconds this engine's thread has spent blocked waiting for the GPU to finish forwards whose answers it reads
-        (the chunk runner's, the batched runner's; not the plain path's packed forwards) since
-        start-up: a row's time less this is its host work."""
-        parts = [self.runner.stats, self.plain.stats] + ([self.cache.batch.stats] if self.cache.batch is not None else [])
-        return sum(p.get("gpu_wait_s", 0.0) for p in parts)
+        since start-up: a row's time less this is its host work."""
+        return self.runner.stats.get("gpu_wait_s", 0.0)
 
     def _memo(self, key) -> dict | None:
         hit = self.memo.get(key)
@@ -747,11 +513,11 @@ class Engine:
                 "loaded_at": self.loaded_at, "precapture": self.precapture_info, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
-                "plain_graphs": dict(self.plain.stats, graphs=sum(g is not None for g in self.plain.graphs.values())),
+                "batch": dict(self.runner.stats, failed=self.runner.failures[:3]),
                 "budget": dataclasses.asdict(self.budget), "budget_rechecks": dict(self.memory), **self._device_memory(),
                 "phases": {k: round(v, 3) if k.endswith("_s") else v for k, v in self.phases.items()},
-                **({"steps": {**self.steps.stats, "seconds": {k: round(v, 3) for k, v in self.steps.seconds.items()},
-                              "scheduler": dict(self.steps.sched.stats)}} if self.steps else {}),
+                "steps": {**self.steps.stats, "seconds": {k: round(v, 3) for k, v in self.steps.seconds.items()},
+                          "scheduler": dict(self.steps.sched.stats)},
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
 
     def recheck_memory(self) -> int:
@@ -802,3 +568,44 @@ class Engine:
                                      "reserved": mib(torch.cuda.memory_reserved(self.device)),
                                      "peak_allocated": mib(torch.cuda.max_memory_allocated(self.device)),
                                      "free": mib(free), "total": mib(total)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Uncached:
+    """The key of a row `uncached` runs: its index there (never a memo key)."""
+
+    i: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """The key of part k of a split row (`_split`) whose own key is `key`."""
+
+    key: object
+    k: int
+
+
+@dataclasses.dataclass
+class _Whole:
+    slots: list  # per part, the indices of the row's slots it answers
+    got: list = dataclasses.field(default_factory=list)  # per part, its Answer or RowFailed once finished
+
+    def __post_init__(self):
+        self.got = [None] * len(self.slots)
+
+
+def _split(row: dict, max_slots: int) -> list[tuple[list[int], dict]]:
+    """A row with more than max_slots slots at one position as parts of the same tokens, each holding at most
+    max_slots slots at any position (the k-th slot at a position goes to part k // max_slots): [(the row's slot
+    indices it answers, the part)]. The parts share their state: the first plants it, the others continue from it."""
+    seen: dict = {}
+    parts: dict = {}
+    for j, s in enumerate(row["slots"]):
+        k = seen.get(int(s), 0)
+        seen[int(s)] = k + 1
+        parts.setdefault(k // max_slots, []).append(j)
+    out = []
+    for k in sorted(parts):
+        idx = parts[k]
+        out.append((idx, dict(row, slots=[row["slots"][j] for j in idx], options=[row["options"][j] for j in idx])))
+    return out

@@ -1,10 +1,10 @@
-"""CUDA graph capture and graph inputs, shared by the chunk runner and the plain path.
+"""CUDA graph capture and graph inputs, for the batched runner's graphs (statecache.batch).
 
 `capture(fn, pool)` runs fn twice on a side stream (where lazy initialisation, fla's autotuning and torch.compile
 happen, none of which may run inside a capture), then records one call as a CUDA graph whose memory comes from
 `pool`. Graphs in one pool reuse each other's freed intermediates, which is safe because they replay one at a time
 on one stream and each graph's output stays allocated. `try_capture` counts, times and logs captures and turns a
-failure into None. `fill_inputs` lays out a graph's one input buffer; `Staging` sends it from pinned memory.
+failure into None. `fill_options` lays out the answer slots' options; `Staging` is a graph's pinned input copy.
 Knows nothing of what fn computes.
 """
 
@@ -103,35 +103,10 @@ def fill_options(out: np.ndarray, options) -> None:
 _LETTER_CODES = -2 - np.arange(MAX_OPTIONS)
 
 
-def input_size(L: int, S: int, n_scalars: int) -> int:
-    """The length of fill_inputs' buffer: ids | slots | options | scalars."""
-    return L + S + S * MAX_OPTIONS + n_scalars
-
-
-def fill_inputs(buf: np.ndarray, L: int, S: int, ids=(), slots=(), options=(), scalars=()) -> None:
-    """Write a graph's inputs into buf [input_size(L, S, len(scalars))] (int64): ids zero-padded to L | slots |
-    options [S, MAX_OPTIONS] (fill_options; one spec per real slot) | scalars (the chunk runner's start, real length,
-    route and rotary shift; the plain path's real length). ids: a list or an int64 numpy array."""
-    n = len(ids)
-    buf[:n] = ids
-    buf[n:L] = 0
-    buf[L : L + S] = 0
-    buf[L : L + len(slots)] = slots
-    fill_options(buf[L + S : L + S + S * MAX_OPTIONS].reshape(S, MAX_OPTIONS), options)
-    buf[L + S + S * MAX_OPTIONS :] = scalars
-
-
-def pack_inputs(L: int, S: int, ids=(), slots=(), options=(), scalars=()) -> torch.Tensor:
-    """fill_inputs into a new host tensor [input_size(L, S, len(scalars))] (long)."""
-    inp = torch.empty(input_size(L, S, len(scalars)), dtype=torch.long)
-    fill_inputs(inp.numpy(), L, S, ids, slots, options, scalars)
-    return inp
-
-
 class Staging:
     """A pinned host copy of a graph's input buffer, so each run's inputs go over in one asynchronous copy. Before
     it is rewritten, the host waits for its previous copy to have left (only a back-to-back run of the same graph,
-    queued behind other GPU work, ever waits)."""
+    queued behind other GPU work, ever waits): statecache.batch.BatchRunner._send."""
 
     def __init__(self, dev_buf: torch.Tensor):
         cuda = dev_buf.device.type == "cuda"  # else (the CPU tests' stand-in graphs) a plain synchronous copy
@@ -139,13 +114,5 @@ class Staging:
         self.host = torch.empty(dev_buf.shape, dtype=dev_buf.dtype, pin_memory=cuda)
         self.np = self.host.numpy()
         self.sent = torch.cuda.Event() if cuda else None
-        if self.sent is not None:
-            self.sent.record()
-
-    def send(self, L: int, S: int, ids=(), slots=(), options=(), scalars=()) -> None:
-        if self.sent is not None:
-            self.sent.synchronize()
-        fill_inputs(self.np, L, S, ids, slots, options, scalars)
-        self.dev.copy_(self.host, non_blocking=self.sent is not None)
         if self.sent is not None:
             self.sent.record()

@@ -507,19 +507,20 @@ def state_end(state_len: int, align: int) -> int:
     return state_len - state_len % align
 
 
-def plan_chunks(start: int, state_len: int, *, stride: int, tail: int, align: int, max_chunk: int,
+def plan_chunks(start: int, state_len: int, *, stride: int, tail: int, align: int, max_chunk: int | None = None,
                 extra: tuple = ()) -> list[int]:
     """The chunk ends of a row's state computed from a restored position ``start`` (0 = nothing restored), which
     are also the checkpoint positions to plant.
 
     With ``p = state_len`` rounded down to ``align``: every multiple of ``stride`` below ``p``, ``p - tail`` and
-    ``p`` and the ``extra`` positions below ``p`` (fork points), each rounded down to ``align``, only those ``> start``, sorted; then a chunk longer than ``max_chunk``
-    is split at ``a + k * max_chunk`` from its own start ``a`` (those ends are planted too). ``stride`` 0 or
-    ``tail`` 0 disable those positions. ``[]`` when ``p <= start``.
+    ``p`` and the ``extra`` positions below ``p`` (fork points), each rounded down to ``align``, only those
+    ``> start``, sorted. The step loop plants exactly these (``max_chunk`` None); a simulation of a runner whose
+    chunks are at most ``max_chunk`` long splits a longer one at ``a + k * max_chunk`` from its own start ``a``
+    (those ends planted too). ``stride`` 0 or ``tail`` 0 disable those positions. ``[]`` when ``p <= start``.
     """
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
-    if max_chunk < align or max_chunk % align:
+    if max_chunk is not None and (max_chunk < align or max_chunk % align):
         raise ValueError(f"max_chunk {max_chunk} must be a positive multiple of align {align}")
     if start < 0 or start % align:
         raise ValueError(f"start {start} must be a non-negative multiple of align {align}")
@@ -541,7 +542,7 @@ def plan_chunks(start: int, state_len: int, *, stride: int, tail: int, align: in
     out: list[int] = []
     s = start
     for e in sorted(v for v in ends if v > start):
-        while e - s > max_chunk:
+        while max_chunk is not None and e - s > max_chunk:
             s += max_chunk
             out.append(s)
         out.append(e)

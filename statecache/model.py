@@ -1,9 +1,9 @@
 """The Qwen3.5 text forward over fused weights: embedding, decoder layers, final norm and the option head.
 
 A layer's token mixer (GDN or gated attention) does its projections, norms, gates and rotary embedding here, and
-hands the parts that carry state across tokens (the short conv, the delta rule, attention over keys) to a *mixer*
-(statecache.mixers): the plain packed batch, or a chunk continuing from saved state. So one forward serves the
-plain path, the cached chunked path and, later, batched hits. Logits are computed only at the answer slots and only
+hands the parts that carry state across tokens (the short conv, the delta rule, attention over keys) to a *mixer*:
+statecache.batch's BatchMixer, packed sequences each continuing from its own saved state (or from nothing). Logits
+are computed only at the answer slots and only
 for each slot's option tokens (the output head's rows gathered per slot). This module knows nothing of checkpoints, graphs, rows or devices beyond its weights'.
 """
 
@@ -73,7 +73,7 @@ PIECES = (rmsnorm, add_rmsnorm, gated_rmsnorm, norm_rotate, silu_mul, gdn_gates,
 
 
 class Qwen35:
-    """Fused-weight Qwen3.5 text model. `mix` objects supply the stateful parts (see statecache.mixers)."""
+    """Fused-weight Qwen3.5 text model. `mix` objects supply the stateful parts (statecache.batch.BatchMixer)."""
 
     def __init__(self, weights: Weights, residual_fp32: bool = False):
         self.w = weights
@@ -196,7 +196,7 @@ class Qwen35:
         return h
 
     def option_probs(self, h: torch.Tensor, options: torch.Tensor) -> torch.Tensor:
-        """h [S, H] at the answer slots, options [S, K] long (statecache.graphs.fill_inputs: a token id, -2 - j for the
+        """h [S, H] at the answer slots, options [S, K] long (statecache.graphs.fill_options: a token id, -2 - j for the
         j-th option letter, -1 past the slot's options) -> probabilities [S, K] over each slot's option tokens (zero
         past them). Gathers the K asked rows of the output head per slot: no full-vocabulary matmul."""
         letter = options <= -2

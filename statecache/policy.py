@@ -1,9 +1,9 @@
 """The `cold_ok` policy: may a new state (nothing saved to continue from) be planted now?
 
 This is the one place that decides it. The engine (and the step scheduler, statecache.sched, when a new state's
-first piece is granted) builds a `ColdContext` for each new state it is about to run and asks the policy once; yes: the state's first row runs in the batch's packed forward, which plants its
-checkpoints (statecache.plant); no: its rows run plain and nothing is planted. The cache and the plain path
-only carry out the answer. An operator replaces
+first piece is granted) builds a `ColdContext` for each new state it is about to run and asks the policy once; yes:
+the steps that compute the state plant its checkpoints (statecache.step); no: its rows run plain and nothing is
+planted. The step loop only carries out the answer. An operator replaces
 the default with any callable `(ColdContext) -> bool`, named by import path in the settings
 (`load_policy("package.module:attr")`).
 

@@ -45,7 +45,7 @@ class Settings:
     compile: bool | None = _f(None, "STATECACHE_COMPILE", "torch.compile the elementwise kernels (default: on cuda)")
     precapture: bool = _f(True, "STATECACHE_PRECAPTURE", "capture every CUDA graph before serving (no-op on the CPU)")
     specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; docs/SPECIALISTS.md; default: none)")
-    batch: int = _f(64, "STATECACHE_BATCH", "most rows of saved states run in one batched forward (0: one at a time)")
+    batch: int = _f(64, "STATECACHE_BATCH", "most sequences (rows' pieces) one step's forward runs; at least 1")
     max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")
     step_tokens: int = _f(2048, "STATECACHE_STEP_TOKENS", "tokens one engine step runs at most (hits, grown states and new pages' chunks together): larger steps give more rows/s on a busy GPU, smaller ones answer hits sooner")
     # --- the state cache
@@ -54,8 +54,8 @@ class Settings:
     host_cache_mb: int | None = _f(None, "STATECACHE_HOST_CACHE_MB", "host-memory tier for the states the device budget cannot keep, in MiB (on cuda pinned in 256 MiB slabs, one registered beside each forward after start-up, and kept); 0 turns it off (default: half the host's MemAvailable, at most 256 GiB; logged at start-up)")
     cache_stride: int = _f(2048, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
     cache_tail: int = _f(16, "STATECACHE_CACHE_TAIL", "and one this many tokens before the state's end (0: none)")
-    cache_align: int = _f(64, "STATECACHE_CACHE_ALIGN", "checkpoint positions are multiples of this")
-    cache_min_prefix: int = _f(256, "STATECACHE_CACHE_MIN_PREFIX", "shorter states take the plain path")
+    cache_align: int = _f(64, "STATECACHE_CACHE_ALIGN", "checkpoint positions are multiples of this (a multiple of 64, the delta rule's chunk)")
+    cache_min_prefix: int = _f(256, "STATECACHE_CACHE_MIN_PREFIX", "shorter states are not cached (their rows run from nothing: path plain)")
     cache_max_slots: int = _f(4, "STATECACHE_CACHE_MAX_SLOTS", "answer slots a cached row may have")
     # --- the worker
     max_jobs: int = _f(32, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")

@@ -79,6 +79,7 @@ class _Live:
     route: int = 0  # specialists: the route it runs with (a guess until its router has spoken)
     fsum: torch.Tensor | None = None  # specialists: the router's feature sum over [0, next piece's start)
     earlier: int = 0  # specialists: tokens computed by runs the router disagreed with (a misprediction's)
+    fresh: bool = False  # run without the cache: no lookup, nothing planted (`add`)
 
 
 def _slots_in(live: "_Live", s: int, e: int) -> list[int]:
@@ -189,13 +190,14 @@ class Steps:
     def _cacheable(self, row: dict) -> bool:
         return self.cache.s.mb > 0 and self.cache.eligible(row["state_len"], row["slots"])
 
-    def add(self, key, row: dict, route: int | None = None, earlier: int = 0) -> int:
+    def add(self, key, row: dict, route: int | None = None, earlier: int = 0, fresh: bool = False) -> int:
         """Schedule a checked row (`takes` it); returns its id in this schedule. Specialists: it runs with `route`
         when given (its router has spoken), else with a guess: the route of its deepest checkpoint, else the last
-        answered row's (StateCache.guess); earlier: tokens a run with another route computed for it."""
+        answered row's (StateCache.guess); earlier: tokens a run with another route computed for it. fresh: it runs
+        from nothing and plants nothing (path "plain"), whatever the cache holds."""
         self._rid += 1
         rid = self._rid
-        cacheable = self._cacheable(row)
+        cacheable = not fresh and self._cacheable(row)
         p = self.cache.state_end(row["state_len"]) if cacheable else 0
         first = min(int(x) for x in row["slots"])
         keys = _keys(row)  # what the cache and the scheduler know its tokens by
@@ -205,6 +207,7 @@ class Steps:
         n = len(row["ids"])
         live = _Live(key, row, p, stop if self.sched.question_end(srow, stop) == n else n)
         live.probs = [None] * len(row["slots"])
+        live.fresh = fresh
         forks: tuple = ()
         found = None
         if cacheable:
@@ -287,7 +290,7 @@ class Steps:
                 route = self.spec.router.pick(live.fsum, len(live.row["ids"]))
                 if route != live.route:
                     self.cache.stats["mispredict"] += 1
-                    self.add(live.key, live.row, route, live.earlier + fin.computed)
+                    self.add(live.key, live.row, route, live.earlier + fin.computed, live.fresh)
                     continue
                 self.cache.last_route = route
             if fin.path != "plain":  # the cache's rows (the engine counts plain ones)
@@ -491,7 +494,7 @@ class Steps:
         if K.shape[1] > live.p:  # the buffer also holds the question's K/V (a question of several pieces): not kept
             K, V = K[:, : live.p].clone(), V[:, : live.p].clone()
         try:
-            self.cache._plant(_keys(live.row), live.p, snaps, live.route, (K, V))
+            self.cache.plant(_keys(live.row), live.p, snaps, live.route, (K, V))
         except Exception:  # noqa: BLE001 - the answers stand; only the planting is lost
             log.exception("planting a step's checkpoints failed")
         live.snaps = []

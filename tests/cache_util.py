@@ -1,5 +1,7 @@
 """Helpers for the state-cache tests: a small random Qwen3.5 (3 GDN layers + 1 attention layer) built once per
-process, the chunk runner / cache / plain reference over it, rows of random tokens, and the comparisons.
+process, the step loop over it without an engine (`make_steps`: a StateCache and statecache.step.Steps over the
+batched runner, eager on the CPU), the uncached reference (`reference`: the same step loop, no cache), rows of random
+tokens, and the comparisons.
 
 The model is wide enough in its attention K/V (4 kv heads x 64) that one position of a group costs 2 KiB, so a
 budget of 1 MiB holds only a few states of a few hundred tokens: evictions happen at the smallest whole-MB budget.
@@ -14,13 +16,14 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from statecache.batch import BatchRunner
 from statecache.cache import CacheSettings, StateCache
 from statecache.checkpoints import make_checkpoint
 from statecache.kernels import TorchKernels
 from statecache.loader import load_weights
 from statecache.model import Qwen35
-from statecache.plain import PlainPath
-from statecache.runner import ChunkRunner
+from statecache.policy import PlantWhenItFits
+from statecache.step import Steps
 
 VOCAB = 64
 LETTER_IDS = list(range(10, 36))
@@ -43,24 +46,55 @@ def small_model() -> Qwen35:
     return model
 
 
-def make_runner(pad: bool, **kw) -> ChunkRunner:
-    kw = {"max_pos": MAX_POS, "span_step": SPAN_STEP, **kw}
-    return ChunkRunner(small_model(), TorchKernels(), pad=pad, **kw)
+@functools.lru_cache(maxsize=1)
+def small_runner() -> BatchRunner:
+    """The batched runner over the small model (eager; one is enough: it keeps nothing between forwards)."""
+    return BatchRunner(small_model(), TorchKernels(), max_slots=4, max_batch=16, max_pos=MAX_POS)
 
 
-def make_cache(pad: bool, runner: ChunkRunner | None = None, **settings) -> StateCache:
-    s = {"mb": 64, "stride": 128, "tail": 16, "align": 64, "min_prefix": 64, **settings}
-    return StateCache(runner or make_runner(pad), CacheSettings(**s))
+SMALL = {"mb": 64, "stride": 128, "tail": 16, "align": 64, "min_prefix": 64, "host_mb": 0}  # make_steps' cache
+
+
+def cache_for(runner: BatchRunner, **settings) -> StateCache:
+    """A state cache sized for `runner`'s states, of `settings` (CacheSettings fields over SMALL)."""
+    return StateCache(CacheSettings(**{**SMALL, **settings}), "cpu", checkpoint_bytes=runner.st.checkpoint_bytes(),
+                      position_bytes=runner.st.position_bytes())
+
+
+def make_steps(cold_ok=None, *, runner: BatchRunner | None = None, cache: StateCache | None = None,
+               budget_tokens: int = 1024, chunk_tokens: int = 256, **settings) -> Steps:
+    """A step loop over `runner` (default: the small model's) with `cache` (default: a new one of `settings`)."""
+    runner = runner if runner is not None else small_runner()
+    cache = cache if cache is not None else cache_for(runner, **settings)
+    return Steps(cache, runner, cold_ok if cold_ok is not None else PlantWhenItFits(), budget_tokens=budget_tokens,
+                 chunk_tokens=chunk_tokens)
+
+
+def checked(ids, state_len: int, slots, nopts) -> dict:
+    """A row as the engine hands it to the step loop (ids an int64 array)."""
+    return {"ids": np.asarray(list(ids), dtype=np.int64), "state_len": int(state_len), "slots": [int(x) for x in slots],
+            "options": list(nopts)}
+
+
+def run_rows(steps: Steps, rows, fresh: bool = False) -> list:
+    """Rows (ids, state_len, slots, nopts) through `steps` to their end -> their Answers (or RowFailed), in order."""
+    for i, r in enumerate(rows):
+        steps.add(i, checked(*r), fresh=fresh)
+    got: dict = {}
+    while steps.pending():
+        for key, ans in steps.step():
+            got[key] = ans
+    return [got[i] for i in range(len(rows))]
 
 
 @functools.lru_cache(maxsize=1)
-def plain_path() -> PlainPath:
-    return PlainPath(small_model(), TorchKernels())
+def _reference_steps() -> Steps:
+    return make_steps(mb=0)
 
 
 def reference(ids, slots, nopts) -> list[list[float]]:
-    """The uncached answer: one plain (packed, from nothing) forward of the whole row."""
-    return plain_path().forward([(list(ids), list(slots), list(nopts))])[0]
+    """The uncached answer: the whole row run from nothing through the step loop, no cache."""
+    return run_rows(_reference_steps(), [(ids, 0, slots, nopts)], fresh=True)[0].probs
 
 
 def max_diff(a: list[list[float]], b: list[list[float]]) -> float:

@@ -135,7 +135,7 @@ def test_a_tokenizer_without_one_token_letters_is_a_start_up_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def eng_ref():
-    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=192))
+    eng = Engine(device="cpu", dtype="float32", settings=CacheSettings(min_prefix=64, stride=192))
     return eng, load_reference(eng.model_dir)
 
 
@@ -163,7 +163,8 @@ def test_text_row_slots_read_the_letters_the_model_would_write(eng_ref):
     assert tok.decode(tr["ids"][: s0 + 1]).endswith(ANSWER_CUE)
     want = hf_probs(ref, tr["ids"], tr["slots"], [a.cue[:3], a.reply[:2]])
     bare = hf_probs(ref, tr["ids"], tr["slots"], [eng.letter_ids[:3], eng.letter_ids[:2]])
-    uncached = eng.plain.forward([(tr["ids"], tr["slots"], [a.cue[:3], a.reply[:2]])])[0]
+    uncached = eng.uncached([{"ids": tr["ids"], "state_len": 0, "slots": tr["slots"],
+                              "options": [a.cue[:3], a.reply[:2]]}])[0]
     assert diff(uncached, want) <= TOL
     first = eng.answer([row])[0]
     assert diff(first["probs"], want) <= TOL
@@ -181,12 +182,10 @@ def toks(n: int, seed: int, vocab: int = 500) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
 
 
-@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
-def test_token_rows_with_options_match_transformers(pad):
+def test_token_rows_with_options_match_transformers():
     """Token rows naming their options: transformers' softmax over those ids at each slot, for a cold row, hits
     batched with rows of other option sets (and nopts rows), and a short row on the plain path."""
-    eng = Engine(device="cpu", dtype="float32", max_pos=2048, pad_chunks=pad,
-                 settings=CacheSettings(min_prefix=64, stride=192))
+    eng = Engine(device="cpu", dtype="float32", settings=CacheSettings(min_prefix=64, stride=192))
     ref = load_reference(eng.model_dir)
     V = eng.vocab_size
     state = toks(300, 1)

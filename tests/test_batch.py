@@ -1,25 +1,24 @@
-"""Batched continuations (StateCache.rows_batched, statecache.batch) on the CPU in float32.
+"""Batched continuations (statecache.batch.BatchRunner, as the step loop statecache.step.Steps drives it) on the CPU in
+float32.
 
-Every batched answer equals the uncached (plain) forward within 1e-4, the one-at-a-time cached answer, and
-transformers' own; over random mixes of hits, grown states and new states with evictions between batches
-(hypothesis); a bad row fails alone; rows that cannot be batched come back as None; and the graph-mode bookkeeping
-(buckets, captures, a failed capture) with stand-in graphs replaying the Triton batch kernels in the interpreter.
+Every answer of a step's packed forward equals the uncached answer within 1e-4, the answer of the same row run alone,
+and transformers' own; hits, a grown state planting inside its piece, a grown state longer than a piece, more
+snapshots than a forward holds and more rows than its largest batch; a bad row fails alone and counts nothing; a
+piece whose states are a view of the batch slots is refused; and the graph-mode bookkeeping (buckets, captures, a
+failed capture, snapshots) with stand-in graphs replaying the Triton batch kernels in the interpreter.
 """
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from statecache.batch import MAX_PIECE, MAX_SNAPS, BatchRunner
-from statecache.cache import CacheSettings, StateCache
+from statecache.batch import MAX_PIECE, MAX_SNAPS, BatchRunner, NotBatched, Piece
+from statecache.cache import Answer, StateCache
 from statecache.kernels import TorchKernels
-from statecache.runner import ChunkRunner
-from tests.cache_util import (MAX_POS, VOCAB, assert_close, down, index_bytes_recount, make_cache, max_diff,
-                              one_thread, reference, small_model, toks)
+from statecache.step import RowFailed, Steps
+from tests.cache_util import (MAX_POS, VOCAB, assert_close, down, index_bytes_recount, max_diff, one_thread,
+                              make_steps, reference, run_rows, small_model, small_runner, toks)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,18 +28,20 @@ def _model():
         yield
 
 
-def batch_cache(pad=False, max_batch=8, max_piece=MAX_PIECE, max_snaps=MAX_SNAPS, **settings) -> StateCache:
-    cache = make_cache(pad, **settings)
-    cache.batch = BatchRunner(small_model(), TorchKernels(), max_batch=max_batch, pad=pad, max_pos=MAX_POS,
-                              max_piece=max_piece, max_snaps=max_snaps)
-    return cache
+def runner_for(pad=False, max_batch=8, max_piece=MAX_PIECE, max_snaps=MAX_SNAPS, **kw) -> BatchRunner:
+    return BatchRunner(small_model(), TorchKernels(), max_batch=max_batch, pad=pad, max_pos=MAX_POS,
+                       max_piece=max_piece, max_snaps=max_snaps, **kw)
+
+
+def steps_over(runner: BatchRunner, cache: StateCache | None = None, chunk_tokens: int = 256, **settings) -> Steps:
+    """tests.cache_util.make_steps over `runner`, on `cache` or a new one of `settings`."""
+    return make_steps(runner=runner, cache=cache, chunk_tokens=chunk_tokens, **settings)
 
 
 def check(cache, rows, answers, tol=1e-4):
-    """Each answer (where not None) equals the plain forward; bookkeeping consistent, bytes within budget."""
+    """Each answer equals the uncached one; bookkeeping consistent, bytes within budget."""
     for (ids, state_len, slots, nopts), a in zip(rows, answers):
-        if a is None:
-            continue
+        assert isinstance(a, Answer), a
         assert_close(a.probs, reference(ids, slots, nopts), tol)
         for pr, k in zip(a.probs, nopts):
             assert len(pr) == k and abs(sum(pr) - 1) < 1e-5
@@ -58,182 +59,152 @@ def row(state, q, seed, nslots=1):
     return ids, len(state), slots, [2 + (seed + j) % 20 for j in range(len(slots))]
 
 
+def warm(steps: Steps, states, q=5) -> None:
+    """Each state computed and planted (a row on it, from nothing)."""
+    ans = run_rows(steps, [row(s, q, k) for k, s in enumerate(states)])
+    assert all(isinstance(a, Answer) and a.path == "cold" for a in ans), ans
+
+
 @pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
 def test_hits_and_grown_states_in_one_batch(pad):
-    cache = batch_cache(pad)
+    runner = runner_for(pad)
+    steps = steps_over(runner)
+    cache = steps.cache
     states = [toks(300 + 7 * k, 40 + k) for k in range(4)]
-    for k, s in enumerate(states):
-        assert cache.row(*row(s, 9, k)).path == "cold"
-    grown = states[1] + toks(30, 50)  # p 320: restores 256, plants 320 in the batch
+    warm(steps, states)
+    grown = states[1] + toks(30, 50)  # p 320: restores 256, plants 320 inside its piece
     rows = [row(states[0], 20, 1, 2), row(states[2], 1, 2), row(grown, 12, 3), row(states[3], 64, 4, 3),
-            row(states[0], 80, 5)]  # 124 tokens from p: over one 64-token delta piece
-    made = cache.stats["ckpts_made"]
-    ans = cache.rows_batched(rows)
-    assert all(a is not None for a in ans)
+            row(states[0], 80, 5)]  # 124 tokens from p: over one 64-token delta chunk
+    made, forwards = cache.stats["ckpts_made"], runner.stats["forwards"]
+    ans = run_rows(steps, rows)
     check(cache, rows, ans)
-    assert [a.path for a in ans] == ["hit", "hit", "partial", "hit", "hit"]
-    assert cache.stats["ckpts_made"] == made + 1 and cache.stats["batched"] == 5
-    assert cache.batch.stats["forwards"] == 1  # the grown state plants inside its own piece, beside the questions
-    # the grown state's checkpoint is there: its next question is a hit on 320, batched
-    again = cache.rows_batched([row(grown, 5, 6)])
+    assert [(a.path, a.reused) for a in ans] == [("hit", 256), ("hit", 256), ("partial", 256), ("hit", 320),
+                                                 ("hit", 256)]
+    assert cache.stats["ckpts_made"] == made + 1
+    assert runner.stats["forwards"] - forwards == 1  # the grown state plants inside its own piece, beside the hits
+    # the grown state's checkpoint is there: its next question is a hit on 320
+    again = run_rows(steps, [row(grown, 5, 6)])
     assert again[0].path == "hit" and again[0].reused == 320
     check(cache, [row(grown, 5, 6)], again)
 
 
 def test_batched_equals_one_at_a_time():
-    one, many = batch_cache(), batch_cache()
+    """The same rows in one step and each alone: the same paths, token counts and answers (a sequence's answer does
+    not depend on what else its forward packs)."""
+    one, many = steps_over(small_runner()), steps_over(small_runner())
     states = [toks(260 + 40 * k, 60 + k) for k in range(3)]
-    for k, s in enumerate(states):
-        one.row(*row(s, 5, k))
-        many.row(*row(s, 5, k))
+    warm(one, states)
+    warm(many, states)
     rows = [row(states[k % 3], 10 + 13 * k, 10 + k, 1 + k % 3) for k in range(7)]
-    single = [one.row(*r) for r in rows]
-    batched = many.rows_batched(rows)
+    single = [run_rows(one, [r])[0] for r in rows]
+    steps_before = many.stats["steps"]
+    batched = run_rows(many, rows)
+    assert many.stats["steps"] - steps_before == 1
     for a, b in zip(single, batched):
         assert (a.path, a.reused, a.computed) == (b.path, b.reused, b.computed)
         assert max_diff(a.probs, b.probs) < 1e-5
 
 
-def test_rows_that_cannot_batch_are_left_to_the_caller():
-    cache = batch_cache()
-    s = toks(300, 70)
-    cache.row(*row(s, 5, 0))
-    rows = [row(toks(300, 71), 5, 1),  # nothing saved for this state
-            row(s, 600, 2),  # a question longer than a batch piece (MAX_PIECE)
-            (row(s, 5, 3)[0], 300, [10], [4]),  # not eligible (slot inside the state)
-            row(s, 7, 4)]
-    ans = cache.rows_batched(rows)
-    assert ans[:3] == [None, None, None] and ans[3].path == "hit"
-    check(cache, rows, ans)
-    cache.batch = None
-    assert cache.rows_batched(rows) == [None] * 4
-
-
 @pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
-def test_a_state_grown_by_more_than_a_piece_runs_batched(pad):
-    """A grown state whose new chunk is longer than a batch piece (here 128 tokens) runs as several pieces in
-    successive batched steps beside a hit; it plants its checkpoints as the one-at-a-time path does, and a later row
-    hits its new end."""
-    cache = batch_cache(pad, max_piece=128)
+def test_a_state_grown_by_more_than_a_piece_runs_in_several_pieces(pad):
+    """A grown state whose new part is longer than the runner's piece (here 128 tokens) runs as several pieces in
+    successive steps, the first beside a hit; it plants the checkpoints the cache's plan names for it, and a later
+    row hits its new end."""
+    runner = runner_for(pad, max_piece=128)
+    steps = steps_over(runner)
+    cache = steps.cache
     s, t = toks(300, 80), toks(200, 81)
-    cache.row(*row(s, 5, 0))
-    cache.row(*row(t, 5, 1))
+    warm(steps, [s, t])
     grown = s + toks(330, 82)  # from p 256 to p 576: 320 new state tokens, cut into 128 + 128 + 64
     rows = [row(grown, 6, 2), row(t, 9, 3)]
-    forwards, made = cache.batch.stats["forwards"], cache.stats["ckpts_made"]
-    ans = cache.rows_batched(rows)
+    forwards, made = runner.stats["forwards"], cache.stats["ckpts_made"]
+    ans = run_rows(steps, rows)
     check(cache, rows, ans)
-    assert [a.path for a in ans] == ["partial", "hit"]
-    assert ans[0].reused == 256 and cache.batch.stats["forwards"] - forwards >= 3
-    solo = make_cache(pad)  # the one-at-a-time path plants as many checkpoints for the grown state
-    solo.row(*row(s, 5, 0))
-    solo_made = solo.stats["ckpts_made"]
-    solo.row(*rows[0])
-    assert cache.stats["ckpts_made"] - made == solo.stats["ckpts_made"] - solo_made > 0
+    assert [(a.path, a.reused) for a in ans] == [("partial", 256), ("hit", 192)]
+    assert runner.stats["forwards"] - forwards >= 3
+    assert cache.stats["ckpts_made"] - made == len(cache.plan(len(grown), 256)) == 3  # 384, 512, 576
     later = row(grown, 11, 4)
-    hit = cache.rows_batched([later])[0]
+    hit = run_rows(steps, [later])[0]
     assert hit.path == "hit" and hit.reused == 576
     check(cache, [later], [hit])
 
 
 @pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
 def test_a_grown_state_plants_inside_one_piece(pad):
-    """A state grown past a stride and its tail runs as one piece from its checkpoint to its question's end: the
-    checkpoints it crosses (stride 384, tail 512, end 576) are snapshotted inside it, one forward for the batch; each
-    planted checkpoint then serves a row that leaves the state there, as the one-at-a-time path's would."""
-    cache = batch_cache(pad)
+    """A state grown past a stride and its tail runs as one piece from its checkpoint to its question's end (a step
+    whose chunk holds it): the checkpoints it crosses (stride 384, 512, tail 576) are snapshotted inside it, one
+    forward for the step; each planted checkpoint then serves a row that leaves the state there."""
+    runner = runner_for(pad)
+    steps = steps_over(runner, chunk_tokens=512)
+    cache = steps.cache
     s, t = toks(300, 180), toks(200, 181)
-    cache.row(*row(s, 5, 0))
-    cache.row(*row(t, 5, 1))
-    grown = s + toks(330, 182)  # p 256 -> 576: 320 new state tokens and the question in one 512-token piece
+    warm(steps, [s, t])
+    grown = s + toks(330, 182)  # p 256 -> 576: 320 new state tokens and the question in one 380-token piece
     rows = [row(grown, 6, 2), row(t, 9, 3)]
-    forwards, made = cache.batch.stats["forwards"], cache.stats["ckpts_made"]
-    ans = cache.rows_batched(rows)
+    forwards, made = runner.stats["forwards"], cache.stats["ckpts_made"]
+    ans = run_rows(steps, rows)
     check(cache, rows, ans)
     assert [(a.path, a.reused) for a in ans] == [("partial", 256), ("hit", 192)]
-    assert cache.batch.stats["forwards"] - forwards == 1
-    solo = make_cache(pad)
-    solo.row(*row(s, 5, 0))
-    solo_made = solo.stats["ckpts_made"]
-    solo.row(*rows[0])
-    assert cache.stats["ckpts_made"] - made == solo.stats["ckpts_made"] - solo_made == 3
+    assert runner.stats["forwards"] - forwards == 1
+    assert cache.stats["ckpts_made"] - made == len(cache.plan(len(grown), 256)) == 3
     for k, cut in enumerate((384, 512, 576)):  # a row leaving the state at each planted checkpoint
         r = row(grown[:cut] + toks(40, 190 + k), 7, 10 + k)
-        got = cache.rows_batched([r])[0]
+        got = run_rows(steps, [r])[0]
         assert got.reused == cut, (cut, got)
         check(cache, [r], [got])
 
 
-def test_snapshots_past_a_forwards_slots_split_the_batch():
-    """More snapshots than a forward has slots: the rows go in successive forwards, each answered and planted."""
-    cache = batch_cache(max_snaps=3)
+def test_snapshots_past_a_forwards_slots_split_the_step():
+    """More snapshots than a forward has slots: the step's pieces go in successive forwards, each answered and
+    planted."""
+    runner = runner_for(max_snaps=3)
+    steps = steps_over(runner)
+    cache = steps.cache
     states = [toks(260, 200 + k) for k in range(3)]
-    for k, s in enumerate(states):
-        cache.row(*row(s, 5, k))
+    warm(steps, states)
     grown = [s + toks(150, 210 + k) for k, s in enumerate(states)]  # 256 -> 384: checkpoints 320 (tail) and 384
     rows = [row(g, 4 + k, 20 + k) for k, g in enumerate(grown)]
-    forwards = cache.batch.stats["forwards"]
-    ans = cache.rows_batched(rows)
+    forwards, steps_before = runner.stats["forwards"], steps.stats["steps"]
+    ans = run_rows(steps, rows)
     check(cache, rows, ans)
-    assert all(a.path == "partial" for a in ans) and cache.batch.stats["forwards"] - forwards == 3
+    assert all(a.path == "partial" for a in ans)
+    assert steps.stats["steps"] - steps_before == 1 and runner.stats["forwards"] - forwards == 3
     later = [row(g, 9, 30 + k) for k, g in enumerate(grown)]
-    again = cache.rows_batched(later)
+    again = run_rows(steps, later)
     assert all(a.path == "hit" and a.reused == 384 for a in again)
     check(cache, later, again)
 
 
-def test_a_bad_row_fails_alone():
-    cache = batch_cache()
-    states = [toks(300, 80 + k) for k in range(3)]
-    for k, s in enumerate(states):
-        cache.row(*row(s, 5, k))
-    rows = [row(states[k % 3], 8 + k, 20 + k) for k in range(6)]
+def test_a_bad_row_fails_alone_and_counts_nothing():
+    """A row whose forward raises (a token past the vocabulary) fails alone: its step's forward is halved until it
+    stands alone; it is neither counted nor its checkpoint touched as if answered; the others are, once each."""
+    steps = steps_over(small_runner())
+    cache = steps.cache
+    states = [toks(300, 80 + k) for k in range(5)]
+    warm(steps, states)
+    rows = [row(states[k % 5], 8 + k, 20 + k) for k in range(6)]  # the bad row's state (2) is its alone
     bad = list(rows[2])
     bad[0] = bad[0][:-1] + [VOCAB + 3]  # a token past the vocabulary: its forward raises
     rows[2] = tuple(bad)
-    ans = cache.rows_batched(rows)
-    assert ans[2] is None and all(a is not None for k, a in enumerate(ans) if k != 2)
-    check(cache, [r for k, r in enumerate(rows) if k != 2], [a for k, a in enumerate(ans) if k != 2])
-
-
-def test_a_forward_failing_at_the_wait_counts_nothing(monkeypatch):
-    """A forward that fails only when the host waits for it (an asynchronous GPU error): its rows are halved down as
-    for any failure, and the failing row is neither counted nor touched as if answered; the others are, once each."""
-    cache = batch_cache()
-    states = [toks(300, 60 + k) for k in range(4)]
-    for k, s in enumerate(states):
-        cache.row(*row(s, 5, k))
-    rows = [row(states[k], 8 + k, 40 + k) for k in range(4)]
-    bad = rows[2][0]
-    bad_ckpt = cache.index.lookup(bad, limit=down(300))
-    used = bad_ckpt.used
-    runner, forward, read = cache.batch, cache.batch.forward, cache.batch.read
-    last: list = []
-    monkeypatch.setattr(runner, "forward", lambda pieces: last.__setitem__(slice(None), pieces) or forward(pieces))
-
-    def failing_read(out):
-        if any(pc.ids is bad for pc in last):
-            raise RuntimeError("an asynchronous error (test)")
-        return read(out)
-
-    monkeypatch.setattr(runner, "read", failing_read)
+    bad_ckpt = cache.index.lookup(rows[2][0], limit=down(300))
+    used, latest = bad_ckpt.used, max(c.used for c in cache.index.lru_order())
     before = dict(cache.stats)
-    ans = cache.rows_batched(rows)
-    assert ans[2] is None and all(a is not None for k, a in enumerate(ans) if k != 2)
-    check(cache, [r for k, r in enumerate(rows) if k != 2], [a for k, a in enumerate(ans) if k != 2])
-    assert cache.stats["rows"] - before["rows"] == 3 and cache.stats["hits"] - before["hits"] == 3
-    assert cache.stats["batched"] - before.get("batched", 0) == 3
-    assert cache.stats["tokens_computed"] - before["tokens_computed"] == sum(a.computed for a in ans if a is not None)
+    ans = run_rows(steps, rows)
+    assert isinstance(ans[2], RowFailed) and ans[2].code == "internal"
+    good = [k for k in range(6) if k != 2]
+    check(cache, [rows[k] for k in good], [ans[k] for k in good])
+    assert cache.stats["rows"] - before["rows"] == 5 and cache.stats["hits"] - before["hits"] == 5
+    assert cache.stats["batched"] - before["batched"] == 5
+    assert cache.stats["tokens_computed"] - before["tokens_computed"] == sum(ans[k].computed for k in good)
+    assert steps.stats["failed"] == 1
     assert bad_ckpt.used == used  # not touched
-    assert all(cache.index.lookup(r[0], limit=down(300)).used > used for k, r in enumerate(rows) if k != 2)
+    assert all(cache.index.lookup(rows[k][0], limit=down(300)).used > latest for k in good)
 
 
 def test_states_in_the_batch_slots_are_refused():
     """A piece whose GDN states are a view of the batch slots (read in place while other sequences write their slots)
     is refused with NotBatched before anything runs."""
-    from statecache.batch import NotBatched, Piece
-
-    runner = batch_cache().batch
+    runner = runner_for()
     cfg = runner.model.cfg
     G, W = len(cfg.linear_layers), cfg.linear_conv_kernel_dim
     conv = torch.zeros(G, W - 1, cfg.conv_dim)
@@ -241,23 +212,27 @@ def test_states_in_the_batch_slots_are_refused():
     runner.load([ok])
     runner.forward([ok])  # a state of its own: runs
     bad = Piece(ok.ids, 0, 64, conv, runner.st.S[:, 1], None, None, (63,), (4,))
+    forwards = runner.stats["forwards"]
     with pytest.raises(NotBatched, match="view of the batch slots"):
         runner.forward([ok, bad])
+    assert runner.stats["forwards"] == forwards
 
 
 def test_more_rows_than_the_largest_batch():
-    cache = batch_cache(max_batch=2)
+    """Five hits over a runner of at most 2 sequences a forward: three steps of at most two, each row answered."""
+    runner = runner_for(max_batch=2)
+    steps = steps_over(runner)
     states = [toks(280, 90 + k) for k in range(3)]
-    for k, s in enumerate(states):
-        cache.row(*row(s, 5, k))
+    warm(steps, states)
     rows = [row(states[k % 3], 3 + k, 30 + k) for k in range(5)]
-    ans = cache.rows_batched(rows)
-    check(cache, rows, ans)
-    assert all(a is not None for a in ans) and cache.batch.stats["forwards"] == 3
+    forwards = runner.stats["forwards"]
+    ans = run_rows(steps, rows)
+    check(steps.cache, rows, ans)
+    assert all(a.path == "hit" for a in ans) and runner.stats["forwards"] - forwards == 3
 
 
 def test_matches_transformers(tmp_path):
-    """Batched hits and a grown state on checkpoints of tests.oracle_util (GQA, GVA, Dk != Dv, partial rotary)
+    """Hits and a grown state in one step on checkpoints of tests.oracle_util (GQA, GVA, Dk != Dv, partial rotary)
     against transformers' own model."""
     from statecache.loader import load_weights
     from statecache.model import Qwen35
@@ -268,106 +243,85 @@ def test_matches_transformers(tmp_path):
         model = Qwen35(load_weights(path, LETTERS, "cpu", torch.float32))
         ref = Reference(load_reference(path))
         V = model.cfg.vocab_size
-        runner = ChunkRunner(model, TorchKernels(), max_pos=512, span_step=128)
-        cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128, tail=16))
-        cache.batch = BatchRunner(model, TorchKernels(), max_batch=4, max_pos=512)
+        runner = BatchRunner(model, TorchKernels(), max_batch=4, max_pos=512)
+        steps = steps_over(runner)
         states = [random_ids(200 + 30 * k, 10 + k, V) for k in range(3)]
+        warm_rows = []
         for k, s in enumerate(states):
             ids = s + random_ids(4, 20 + k, V)
-            assert cache.row(ids, len(s), [len(ids) - 1], [4]) is not None
+            warm_rows.append((ids, len(s), [len(ids) - 1], [4]))
+        assert all(a.path == "cold" for a in run_rows(steps, warm_rows))
         grown = states[0] + random_ids(80, 30, V)  # p 256 from 192
         rows = []
         for k, s in enumerate([states[0], states[1], grown, states[2]]):
             ids = s + random_ids(9 + 7 * k, 40 + k, V)
             rows.append((ids, len(s), [len(ids) - 1, len(ids) - 4], [3 + k, 26]))
-        ans = cache.rows_batched(rows)
+        forwards = runner.stats["forwards"]
+        ans = run_rows(steps, rows)
         assert [a.path for a in ans] == ["hit", "hit", "partial", "hit"]
+        assert runner.stats["forwards"] - forwards == 1
         for (ids, _, slots, nopts), a in zip(rows, ans):
             d = max_abs_diff(a.probs, ref.answers(ids, slots, nopts))
             assert d < 1e-4, (name, d)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data())
-def test_random_mixes_with_evictions(data):
-    """Agents with states that repeat, grow or are new; each round batches what can continue from saved states and
-    runs the rest one at a time (as the engine does); a budget of 2 MiB evicts between rounds."""
-    cache = batch_cache(mb=2, max_batch=4)
-    n_agents = data.draw(st.integers(2, 5))
-    states = [toks(data.draw(st.integers(200, 330)), 1000 + a) for a in range(n_agents)]
-    seed = 0
-    for _ in range(data.draw(st.integers(2, 4))):
-        rows = []
-        for a in range(n_agents):
-            what = data.draw(st.sampled_from(["same", "grow", "new", "skip"]))
-            if what == "skip":
-                continue
-            seed += 1
-            if what == "grow":
-                states[a] = states[a] + toks(data.draw(st.integers(1, 70)), 2000 + seed)
-            elif what == "new":
-                states[a] = toks(data.draw(st.integers(200, 330)), 3000 + seed)
-            if len(states[a]) > 700:
-                states[a] = states[a][-300:]
-            rows.append(row(states[a], data.draw(st.integers(1, 40)), seed, data.draw(st.integers(1, 3))))
-        ans = cache.rows_batched(rows)
-        check(cache, rows, ans)
-        for r, a in zip(rows, ans):
-            if a is None:  # the engine's one-at-a-time path plants it
-                single = cache.row(*r)
-                assert single is not None
-                assert_close(single.probs, reference(r[0], r[2], r[3]))
+# ---- graph mode, with stand-in graphs replaying the Triton batch kernels in the interpreter ---------------------
 
 
-# ---- graph mode, with stand-in graphs replaying the Triton batch kernels in the interpreter ----------------------------
+@pytest.fixture
+def interp_graphs(monkeypatch):
+    """tests.triton_interp.batch_graphs_in_interpreter, returning the set of refused capture shapes."""
+    from tests.triton_interp import batch_graphs_in_interpreter
+
+    refuse: set = set()
+    batch_graphs_in_interpreter(monkeypatch, refuse=refuse)
+    return refuse
 
 
-def test_graph_buckets_and_a_failed_capture(monkeypatch):
+def graph_runner(max_batch, tokens) -> BatchRunner:
+    runner = BatchRunner(small_model(), TorchKernels(), max_batch=max_batch, graphs=True, triton=True,
+                         max_pos=MAX_POS, tokens=tokens)
+    runner.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid (tested on its own)
+    return runner
+
+
+def replayed(runner) -> list:
+    return sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays)
+
+
+def test_graph_buckets_and_a_failed_capture(interp_graphs):
     """Graphs keyed by (batch bucket, token bucket) read every per-sequence number from their input buffer: replays
     of graphs captured with empty sequences answer rows of other shapes. A bucket that fails to capture halves the
-    batch into buckets that do."""
-    from tests.triton_interp import batch_graphs_in_interpreter
-
-    fail = set()
-    batch_graphs_in_interpreter(monkeypatch, refuse=fail)
-    cache = make_cache(True)
-    runner = BatchRunner(small_model(), TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=MAX_POS,
-                         tokens=(64, 128))
-    runner.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid (tested on its own)
-    cache.batch = runner
+    step's forward into buckets that do."""
+    warm_steps = steps_over(small_runner())  # the states computed eagerly; the graph runner answers on the same cache
     states = [toks(270, 110 + k) for k in range(3)]
-    for k, s in enumerate(states):
-        cache.row(*row(s, 4, k))
-    fail.add(4 * runner.max_slots)  # the 4-sequence bucket refuses: 3 rows run as 1 + 2
-    rows = [row(states[k], 3 + 5 * k, 40 + k, 1 + k % 2) for k in range(3)]
-    ans = cache.rows_batched(rows)
-    assert all(a is not None and a.path == "hit" for a in ans)
-    check(cache, rows, ans)
+    warm(warm_steps, states, q=4)
+    runner = graph_runner(4, (64, 128))
+    steps = steps_over(runner, warm_steps.cache)
+    interp_graphs.add(4 * runner.max_slots)  # the 4-sequence bucket refuses: 3 rows run as 1 + 2
+    rows = [row(states[k], 3 + 5 * k, 40 + k, 1 + k % 2) for k in range(3)]  # 17 + 22 + 27 tokens: bucket 128
+    ans = run_rows(steps, rows)
+    assert all(isinstance(a, Answer) and a.path == "hit" for a in ans), ans
+    check(steps.cache, rows, ans)
     assert runner.stats["capture_failed"] == 1 and runner.graphs[(4, 128, False)] is None
-    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(1, 64, False), (2, 64, False)]
+    assert replayed(runner) == [(1, 64, False), (2, 64, False)]
 
 
-def test_graphs_plant_a_grown_state_inside_its_piece(monkeypatch):
-    """Graph mode (stand-in graphs replaying the Triton batch kernels in the interpreter): a grown state's piece keeps
-    its new checkpoint's GDN state and conv tails from the device-side snapshot table; the next row hits it."""
-    from tests.triton_interp import batch_graphs_in_interpreter
-
-    batch_graphs_in_interpreter(monkeypatch)
-    cache = make_cache(True)
-    runner = BatchRunner(small_model(), TorchKernels(), max_batch=2, graphs=True, triton=True, max_pos=MAX_POS,
-                         tokens=(64, 128, 256))
-    runner.bk.span_kw = dict(n_splits=1)
-    cache.batch = runner
+def test_graphs_plant_a_grown_state_inside_its_piece(interp_graphs):
+    """Graph mode: a grown state's piece keeps its new checkpoint's GDN state and conv tails from the device-side
+    snapshot table; the next row hits it."""
+    warm_steps = steps_over(small_runner())
     s, t = toks(270, 220), toks(200, 221)
-    cache.row(*row(s, 4, 0))
-    cache.row(*row(t, 4, 1))
+    warm(warm_steps, [s, t], q=4)
+    runner = graph_runner(2, (64, 128, 256))
+    steps = steps_over(runner, warm_steps.cache)
     grown = s + toks(60, 222)  # p 256 -> 320: one checkpoint inside a 79-token piece
     rows = [row(grown, 5, 2, 2), row(t, 6, 3)]
-    ans = cache.rows_batched(rows)
-    check(cache, rows, ans)
+    ans = run_rows(steps, rows)
+    check(steps.cache, rows, ans)
     assert [(a.path, a.reused) for a in ans] == [("partial", 256), ("hit", 192)]
-    assert sorted(k for k, g in runner.graphs.items() if g is not None and g.graph.replays) == [(2, 128, True)]
+    assert replayed(runner) == [(2, 128, True)]
     later = row(grown, 9, 4)
-    hit = cache.rows_batched([later])[0]
+    hit = run_rows(steps, [later])[0]
     assert hit.path == "hit" and hit.reused == 320
-    check(cache, [later], [hit])
+    check(steps.cache, [later], [hit])

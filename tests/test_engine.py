@@ -1,6 +1,6 @@
 """The engine on the built-in tiny model (CPU, float32): memo, duplicates, grouping by state, planting from the
 packed forward under any backlog, the cold_ok policy, bad rows, text rows, statistics; and the `statecache score`
-command. Every answer is checked against the plain forward of the same row within 1e-4.
+command. Every answer is checked against the uncached forward of the same row within 1e-4.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from statecache.cache import CacheSettings
-from statecache.engine import Engine
+from statecache.engine import RETRIES_CACHED, Engine
+from statecache.index import DEVICE
 from statecache.policy import ColdContext
 from statecache.text import encode_text_row
 from tests.cache_util import assert_close, one_thread
@@ -31,15 +32,14 @@ def _threads():
         yield
 
 
-@pytest.fixture(params=[pytest.param(False, id="exact"), pytest.param(True, id="padded")])
-def engine(request):
-    """A factory of fresh engines on the tiny model, CPU, in both runner modes: eager exact-length chunks and
-    bucketed padded ones. States of 64+ tokens take the cached path unless told otherwise; stride 192 makes
-    state chunks of 192 tokens, which the padded mode runs as 256."""
+@pytest.fixture
+def engine():
+    """A factory of fresh engines on the tiny model, CPU. States of 64+ tokens take the cached path unless told
+    otherwise; stride 192 plants a checkpoint every 192 tokens."""
 
     def make(**kw) -> Engine:
         kw.setdefault("settings", CacheSettings(min_prefix=64, stride=192))
-        return Engine(device="cpu", dtype="float32", max_pos=2048, pad_chunks=request.param, **kw)
+        return Engine(device="cpu", dtype="float32", **kw)
 
     return make
 
@@ -57,12 +57,13 @@ def row(state: list[int], q: int, seed: int, nopts=(4,)) -> dict:
 
 
 def check(eng: Engine, rows: list[dict], results: list[dict]) -> None:
-    """Every answered row equals the plain forward of its tokens; bookkeeping adds up."""
+    """Every answered row equals the uncached forward of its tokens (Engine.uncached); bookkeeping adds up."""
     for r, res in zip(rows, results):
         if "error" in res:
             continue
         tr = r if "ids" in r else encode_text_row(r, eng.tokenizer, eng.max_row_tokens)
-        ref = eng.plain.forward([(tr["ids"], tr["slots"], tr.get("options", tr.get("nopts")))])[0]
+        ref = eng.uncached([{"ids": tr["ids"], "state_len": 0, "slots": tr["slots"],
+                             ("options" if "options" in tr else "nopts"): tr.get("options", tr.get("nopts"))}])[0]
         assert_close(res["probs"], ref)
         if res["path"] == "memo":
             assert res["reused"] == 0 and res["computed"] == 0
@@ -243,37 +244,19 @@ def test_bad_rows_get_errors_and_the_rest_is_answered(engine):
     check(eng, rows, res)
 
 
-def test_a_failure_while_computing_fails_only_that_group(engine, monkeypatch):
-    eng = engine(batch=0)  # rows one at a time through cache.row (a failing batched row: tests/test_batch.py)
-    S, T = toks(300, 22), toks(300, 23)
-    real = eng.cache.row
-
-    def row_or_fail(ids, state_len, *a, **kw):
-        if list(ids[:10]) == S[:10]:  # ids: the engine passes an int64 array
-            raise RuntimeError("boom")
-        return real(ids, state_len, *a, **kw)
-
-    monkeypatch.setattr(eng.cache, "row", row_or_fail)
-    rows = [row(S, 10, 1), row(T, 10, 2), row(S, 11, 3), row(toks(20, 24), 5, 4), row(T, 11, 5)]
-    res = eng.answer(rows)
-    assert paths(res) == ["cold", "cold", "error", "plain", "hit"]  # S's first row planted in the packed forward
-    assert res[2]["error"]["code"] == "internal" and "boom" in res[2]["error"]["message"]
-    check(eng, rows, res)
-
-
 def test_a_failing_forward_fails_only_its_rows_and_the_rest_goes_on(engine, monkeypatch):
     """A step's forward that raises is halved until the failing piece stands alone: only the rows of S fail (the
     second one too, when it runs after the first failed), the others are answered in the same steps."""
     eng = engine()
     S = toks(300, 25)
-    real = eng.cache.batch.forward
+    real = eng.runner.forward
 
     def fail_on_s(pieces):
         if any(list(pc.ids[:10]) == S[:10] for pc in pieces):
             raise RuntimeError("forward boom")
         return real(pieces)
 
-    monkeypatch.setattr(eng.cache.batch, "forward", fail_on_s)
+    monkeypatch.setattr(eng.runner, "forward", fail_on_s)
     rows = [row(S, 10, 1), row(toks(20, 26), 5, 2), row(S, 11, 3), row(toks(280, 27), 5, 4)]
     res = eng.answer(rows)
     assert paths(res) == ["error", "plain", "error", "cold"]
@@ -294,7 +277,7 @@ def test_device_memory_running_out_frees_cache_and_retries(engine, monkeypatch):
     old = [row(toks(300, 90 + k), 5, k) for k in range(4)]
     eng.answer(old)
     held = eng.cache.index.bytes
-    real, calls = eng.cache.batch.forward, []
+    real, calls = eng.runner.forward, []
 
     def once_out(pieces):
         calls.append(len(pieces))
@@ -302,7 +285,7 @@ def test_device_memory_running_out_frees_cache_and_retries(engine, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
         return real(pieces)
 
-    monkeypatch.setattr(eng.cache.batch, "forward", once_out)
+    monkeypatch.setattr(eng.runner, "forward", once_out)
     rows = [row(toks(300, 90), 9, 5), row(toks(250, 99), 6, 6), row(toks(40, 98), 3, 7)]
     res = eng.answer(rows)
     assert all("probs" in r for r in res), res
@@ -312,7 +295,7 @@ def test_device_memory_running_out_frees_cache_and_retries(engine, monkeypatch):
     def always_out(pieces):
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
-    monkeypatch.setattr(eng.cache.batch, "forward", always_out)
+    monkeypatch.setattr(eng.runner, "forward", always_out)
     res = eng.answer([row(toks(260, 97), 4, 8)])
     assert res[0]["error"]["code"] == "out_of_memory" and "STATECACHE" in res[0]["error"]["message"]
 
@@ -426,27 +409,66 @@ def test_score_cli_precapture_flag_and_budget_line(monkeypatch, capsys):
 
 def test_rows_of_saved_states_run_batched(engine):
     """Rows of states with checkpoints (hits, a grown state) and a new state's first row run in one step; the rows
-    behind the new state and the grown one wait a step (they would compute the same state) and then hit; the
-    engine without a batched runner (STATECACHE_BATCH=0) answers alike."""
+    behind the new state and the grown one wait a step (they would compute the same state) and then hit."""
     eng = engine()
     a, b, c = toks(300, 21), toks(200, 22), toks(260, 23)
     check(eng, [row(a, 5, 1), row(b, 5, 2)], eng.answer([row(a, 5, 1), row(b, 5, 2)]))
-    forwards, steps = eng.cache.batch.stats["forwards"], eng.phases["steps"]
+    forwards, steps = eng.runner.stats["forwards"], eng.phases["steps"]
     grown = b + toks(70, 5)  # p 256 from b's 192
     rows = [row(a, 9, 3), row(c, 7, 4), row(grown, 6, 5), row(c, 12, 6), row(a, 20, 7, (3, 5)), row(c, 4, 8),
             row(grown, 11, 9)]
     res = eng.answer(rows)
-    check(eng, rows, res)
     assert paths(res) == ["hit", "cold", "partial", "hit", "hit", "hit", "hit"]  # the grown state planted once
-    assert eng.phases["steps"] - steps == 2 and eng.cache.batch.stats["forwards"] - forwards == 2
-    solo = engine(batch=0)
-    assert solo.cache.batch is None and solo.steps is None
-    check(solo, rows, solo.answer(rows))
+    assert eng.phases["steps"] - steps == 2 and eng.runner.stats["forwards"] - forwards == 2
+    check(eng, rows, res)
+
+
+def test_an_engine_without_a_step_loop_is_refused(engine):
+    """The step loop is the engine's one runner: no batched runner (batch 0) and a cache aligned off its 64-token
+    chunks are refused with what to change."""
+    with pytest.raises(ValueError, match="at least one sequence"):
+        engine(batch=0)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        engine(settings=CacheSettings(min_prefix=64, stride=192, align=32))
+
+
+def test_a_restore_that_cannot_come_back_runs_again_from_nothing(engine, monkeypatch):
+    """A row whose checkpoint sits on the host tier and cannot be copied back (the device budget refused it) is given
+    back by its step (`retry`), scheduled again (RETRIES_CACHED times) and then run from nothing: answered as the
+    uncached forward, path plain."""
+    eng = engine(settings=CacheSettings(min_prefix=64, stride=192, mb=1, host_mb=8))
+    big, other = toks(550, 15), toks(550, 17)
+    eng.answer([row(big, 10, 1)])
+    eng.answer([row(other, 10, 2)])  # moves big's checkpoints to the host tier
+    assert eng.cache.index.lookup(big, limit=512).tier != DEVICE
+    monkeypatch.setattr(eng.cache.index, "promote", lambda c: False)
+    rows = [row(big, 12, 3)]
+    res = eng.answer(rows)
+    assert paths(res) == ["plain"] and res[0]["computed"] == len(rows[0]["ids"])
+    assert eng.counts["retried"] == RETRIES_CACHED + 1
+    check(eng, rows, res)
+
+
+def test_a_row_with_more_slots_at_one_position_than_a_piece_holds_runs_in_parts(engine):
+    """Six slots at one position (a piece holds 4): the row runs as two rows of the same tokens (the second continues
+    from the state the first planted), its answers put back in order, each as the uncached forward's."""
+    eng = engine()
+    a = toks(300, 71)
+    ids = a + toks(10, 72)
+    six = {"ids": ids, "state_len": 300, "slots": [309] * 6, "nopts": [2, 3, 4, 5, 6, 7]}
+    res = eng.answer([six])
+    assert [len(p) for p in res[0]["probs"]] == [2, 3, 4, 5, 6, 7] and eng.counts["split"] == 1
+    assert res[0]["path"] == "cold" and res[0]["reused"] + res[0]["computed"] >= len(ids)
+    want = eng.uncached([dict(six, state_len=0)])[0]
+    assert_close(res[0]["probs"], want)
+    again = eng.answer([dict(six, nopts=[7, 6, 5, 4, 3, 2])])  # its state planted: both parts hit
+    assert again[0]["path"] == "hit"
+    assert_close(again[0]["probs"], eng.uncached([dict(six, state_len=0, nopts=[7, 6, 5, 4, 3, 2])])[0])
 
 
 def test_a_scheduled_row_is_looked_up_once(engine, monkeypatch):
     """A row is looked up once when it joins the schedule; the scheduler keeps that lookup while the index is
-    unchanged. rows_batched (the other paths) plans from a caller's lookup only while the index's version holds."""
+    unchanged."""
     eng = engine()
     a, b = toks(300, 31), toks(200, 32)
     eng.answer([row(a, 5, 1), row(b, 5, 2)])
@@ -457,14 +479,6 @@ def test_a_scheduled_row_is_looked_up_once(engine, monkeypatch):
     res = eng.answer(rows)
     check(eng, rows, res)
     assert paths(res) == ["hit", "hit", "hit"] and len(calls) == 3  # one per row, none again in its step
-    from statecache.batch import _plan
-
-    r = toks(6, 33)
-    ids, p = np.asarray(a + r), eng.cache.state_end(300)
-    best = real(ids, limit=p)
-    stale = (None, ix.version - 1)  # as if looked up before the index changed: looked up again
-    assert _plan(eng.cache, 0, ids, 300, [305], [4], eng.cache.batch, stale).best is best
-    assert _plan(eng.cache, 0, ids, 300, [305], [4], eng.cache.batch, (best, ix.version)).best is best
 
 
 def test_hits_ride_beside_a_new_pages_chunks(engine):
@@ -520,7 +534,7 @@ def test_gpu_thread_hands_a_hit_back_before_the_new_page_ends():
     from statecache.engine import Engine
     from worker.gpu_thread import GpuThread
 
-    eng = Engine(device="cpu", dtype="float32", max_pos=2048, settings=CacheSettings(min_prefix=64, stride=128),
+    eng = Engine(device="cpu", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128),
                  step_chunk=128)
     a = toks(300, 61)
     eng.answer([row(a, 5, 1)])
@@ -547,7 +561,7 @@ def test_stats_say_where_the_engine_spent_its_time(engine):
     a = toks(300, 51)
     eng.answer([row(a, 5, 1)])  # a new state: planted by its step
     ph = eng.stats()["phases"]
-    assert ph["step_rows"] == 1 and ph["steps"] == 1 and ph["step_s"] > 0 and ph["packed_rows"] == 0
+    assert ph["step_rows"] == 1 and ph["steps"] == 1 and ph["step_s"] > 0
     eng.answer([row(a, 9, 2), row(toks(400, 52), 6, 3)])  # a hit, a new state: one step
     ph = eng.stats()["phases"]
     assert ph["step_rows"] == 3 and ph["steps"] == 2
@@ -556,7 +570,7 @@ def test_stats_say_where_the_engine_spent_its_time(engine):
     ph = eng.stats()["phases"]
     # computed from 0 (the cache takes at most 4 slots): [0, 256) up to its first slot, then the question [256, 309)
     # with four slots and [309, 310) with the fifth
-    assert ph["packed_rows"] == 0 and ph["step_rows"] == 4 and ph["steps"] == 5
+    assert ph["step_rows"] == 4 and ph["steps"] == 5
     st = eng.stats()["steps"]
     assert st["steps"] == 5 and st["pieces"] == 6 and st["failed"] == 0
 

@@ -1,5 +1,7 @@
-"""GPU checks (skipped without CUDA): fla / FlashAttention kernels against the torch reference, and the cached
-path with CUDA graphs against the plain path on the tiny model. The timings live in bench/gpu_bench.py."""
+"""GPU checks (skipped without CUDA): fla / FlashAttention kernels against the torch reference, and cached rows
+through the step loop's CUDA graphs against the uncached forward of the same rows (Engine.uncached: the same step
+loop from nothing) on the tiny model. The timings live in bench/ (load_bench.py, gpu_delta_steps.py); agreement
+with float32 and transformers over many rows in bench/gpu_agree32.py."""
 
 import pytest
 import torch
@@ -45,22 +47,6 @@ def test_conv_and_attention_match_reference(kernels):
     assert (a.float() - b.float()).abs().max() < 2e-2
 
 
-def test_plain_lone_row_graph_matches_packed_eager(kernels):
-    """A lone plain row as a padded CUDA graph answers as the packed eager forward (bf16, the tiny model)."""
-    from statecache.engine import Engine
-    from statecache.plain import PlainPath
-
-    eng = Engine(device="cuda", dtype="bfloat16", compile=False)
-    eager = PlainPath(eng.model, eng.kernels, graphs=False, pad=False)
-    g = torch.Generator().manual_seed(1)
-    for n in (50, 130):
-        row = (torch.randint(0, eng.vocab_size, (n,), generator=g).tolist(), [n - 1, n // 2], [4, 6])
-        got = eng.plain.forward([row])[0]
-        want = eager.forward([row])[0]
-        assert eng.plain.graphs[eng.plain.shape(n, 2)] is not None
-        assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y)) < 1e-2
-
-
 def test_graph_cached_rows_match_plain_bf16(kernels):
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
@@ -74,14 +60,14 @@ def test_graph_cached_rows_match_plain_bf16(kernels):
     got = eng.answer(rows)
     assert [r["path"] for r in got] == ["cold", "hit", "hit"], ([r.get("path") for r in got], eng.phases, eng.counts,
                                                                   eng.cache.stats)
-    want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows])
-    for r, p in zip(got, want):  # two bf16 paths (the step's graphs, the plain path), as in the mixed-steps test
+    want = eng.uncached(rows)
+    for r, p in zip(got, want):  # two bf16 runs (from a checkpoint, from nothing), as in the mixed-steps test
         assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 2e-2
 
 
 def test_graph_cached_image_rows_match_plain_bf16(kernels):
     """Image rows on the tiny model with a vision tower: cold, hit (real CUDA graphs with the rotary shift) and a
-    grown state, against the packed eager plain path; the tower runs once."""
+    grown state, against an engine without a cache; the tower runs once."""
     import io
 
     import numpy as np
@@ -112,7 +98,7 @@ def test_graph_cached_image_rows_match_plain_bf16(kernels):
 
 def test_specialists_graph_rows_match_plain(kernels):
     """The tiny model with its 3-route specialists on CUDA, float32: cached rows (one chunk graph per shape for
-    every route, mispredictions forced through the guess) answer and route as the plain path's packed forward
+    every route, mispredictions forced through the guess) answer and route as the uncached forward
     (fla's kernels may compute in TF32: a looser tolerance than the CPU tests' 1e-4)."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
@@ -129,16 +115,16 @@ def test_specialists_graph_rows_match_plain(kernels):
     own = eng.cache.guess
     eng.cache.guess = lambda best: next(wrong) if best is not None else own(best)
     got = eng.answer(rows)
-    want = eng.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r in rows])
-    for r, (p, route) in zip(got, want):
-        assert r["route"] == eng.specialists.names[route]
-        assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3
+    want = eng.uncached(rows, results=True)
+    for r, w in zip(got, want):
+        assert r["route"] == w["route"]
+        assert max(abs(a - b) for a, b in zip(r["probs"][0], w["probs"][0])) < 5e-3
     assert eng.cache.stats["mispredict"] >= 1
 
 
 def test_specialists_batched_hits_match_plain(kernels):
     """The tiny model with its 3-route specialists on CUDA, float32: hits on several saved states in one batch go
-    through the step loop (a route per sequence) and answer and route as the plain path's packed
+    through the step loop (a route per sequence) and answer and route as the uncached
     forward."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
@@ -146,7 +132,7 @@ def test_specialists_batched_hits_match_plain(kernels):
 
     eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128), compile=False,
                  specialists=tiny_specialists_dir())
-    assert eng.cache.batch is not None and eng.cache.batch.spec is eng.specialists
+    assert eng.runner is not None and eng.runner.spec is eng.specialists
     g = torch.Generator().manual_seed(1)
     states = [torch.randint(0, eng.vocab_size, (256 + 64 * k,), generator=g).tolist() for k in range(4)]
 
@@ -157,18 +143,18 @@ def test_specialists_batched_hits_match_plain(kernels):
     stepped = eng.phases["step_rows"]
     hits = rows(17)
     got = eng.answer(hits)
-    want = eng.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r in hits])
     assert [r["path"] for r in got] == ["hit"] * len(hits), [r.get("path") for r in got]
     assert eng.phases["step_rows"] - stepped == len(hits)
-    for r, (p, route) in zip(got, want):
-        assert r["route"] == eng.specialists.names[route]
-        assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 5e-3
+    want = eng.uncached(hits, results=True)
+    for r, w in zip(got, want):
+        assert r["route"] == w["route"]
+        assert max(abs(a - b) for a, b in zip(r["probs"][0], w["probs"][0])) < 5e-3
 
 
 def test_rows_with_options_through_graphs_match_plain(kernels):
     """Token rows naming their own option ids (issue 25), hits batched with rows of other option sets and nopts rows,
     through the CUDA graphs (keyed without the options: the ids are device inputs each replay reads), answer as the
-    plain path's forward of the same rows; a second batch with other options replays the same graphs."""
+    uncached forward of the same rows; a second batch with other options replays the same graphs."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
 
@@ -192,21 +178,21 @@ def test_rows_with_options_through_graphs_match_plain(kernels):
     eng.answer(rows(9, 0))  # plants each state
     for shift in (11, 101):
         hits = rows(17, shift)
-        captures = eng.cache.batch.stats["captures"]
+        captures = eng.runner.stats["captures"]
         got = eng.answer(hits)
-        want = eng.plain.forward([(r["ids"], r["slots"], r.get("options") or r["nopts"]) for r in hits])
+        want = eng.uncached(hits)
         assert [r["path"] for r in got] == ["hit"] * len(hits)
         for r, p in zip(got, want):
             for a, b in zip(r["probs"], p):
                 assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 5e-3
         if shift == 101:
-            assert eng.cache.batch.stats["captures"] == captures  # the same graphs served other option ids
+            assert eng.runner.stats["captures"] == captures  # the same graphs served other option ids
 
 
 def test_rows_restored_from_the_pinned_host_tier_match_plain(kernels):
     """The host tier on CUDA (statecache.tiers.HostPool: slabs registered with the driver beside forwards, copies on
     the pool's own streams): with a device budget that holds about one state, earlier states move to the host and a
-    row that returns to one is a hit copied back, answering as the plain path's forward of the same row (float32, the tiny model, CUDA graphs)."""
+    row that returns to one is a hit copied back, answering as the uncached forward of the same row (float32, the tiny model, CUDA graphs)."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
     from statecache.index import DEVICE
@@ -232,7 +218,7 @@ def test_rows_restored_from_the_pinned_host_tier_match_plain(kernels):
     again = [row(states[0], 9), row(states[1], 11)]
     for r in again:
         got = eng.answer([r])[0]
-        want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"])])[0]
+        want = eng.uncached([r])[0]
         assert got["path"] == "hit" and got["reused"] == 256
         assert max(abs(a - b) for a, b in zip(got["probs"][0], want[0])) < 1e-3
     info = eng.cache.info()
@@ -245,7 +231,7 @@ def test_waves_through_the_host_tier_with_steps_in_flight_match_plain(kernels):
     """The host tier under the step loop (float32, the tiny model, CUDA graphs): a device budget of about one state,
     waves of rows returning to earlier states while new ones arrive, so copies up (on their own stream, beside the
     step in flight) and copies down (evictions, on theirs) interleave with forwards and with each other; every
-    answer is the plain path's, and both budgets hold."""
+    answer is the uncached forward's, and both budgets hold."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
     from tests.cache_util import answer_in_waves
@@ -265,7 +251,7 @@ def test_waves_through_the_host_tier_with_steps_in_flight_match_plain(kernels):
     rows = [row(states[i]) for i in order]
     waves = [(rows[k:k + 6], int(torch.randint(0, 3, (1,), generator=g))) for k in range(0, len(rows), 6)]
     got = answer_in_waves(eng, waves)
-    want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows])
+    want = eng.uncached(rows)
     for r, w in zip(got, want):
         assert "probs" in r, r
         assert max(abs(a - b) for a, b in zip(r["probs"][0], w[0])) < 1e-3
@@ -278,14 +264,14 @@ def test_waves_through_the_host_tier_with_steps_in_flight_match_plain(kernels):
 
 def test_steps_mix_new_pages_hits_and_grown_states_bf16(kernels):
     """The step loop through the batch runner's CUDA graphs (tiny model, bf16): two new pages advance in chunks over
-    several steps while hits of an earlier state and a grown state ride beside them; every answer is near the plain
-    path's, and the pages' planted states are continued from afterwards."""
+    several steps while hits of an earlier state and a grown state ride beside them; every answer is near the uncached
+    forward's, and the pages' planted states are continued from afterwards."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
 
     eng = Engine(device="cuda", dtype="bfloat16", settings=CacheSettings(min_prefix=64, stride=128), compile=False,
                  step_tokens=512, step_chunk=128)
-    assert eng.steps is not None and eng.cache.batch.use_graphs
+    assert eng.steps is not None and eng.runner.use_graphs
     V = eng.vocab_size
     g = torch.Generator().manual_seed(11)
 
@@ -309,21 +295,21 @@ def test_steps_mix_new_pages_hits_and_grown_states_bf16(kernels):
     again = [row(p1, 8), row(p2, 9), row(a + t(90)[:0], 5)]
     res2 = eng.answer(again)
     assert [r["path"] for r in res2] == ["hit", "hit", "hit"]
-    want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows + again])
+    want = eng.uncached(rows + again)
     for r, w in zip(res + res2, want):
         for got_slot, want_slot in zip(r["probs"], w):
             assert max(abs(x - y) for x, y in zip(got_slot, want_slot)) < 2e-2
 
 
-def test_a_state_past_the_chunk_runners_span_is_cached_through_the_step_bf16(kernels):
-    """A 9,000-token state (past the chunk runner's 8,192-token span, which no longer decides what may be cached)
+def test_a_9000_token_state_is_cached_through_the_step_bf16(kernels):
+    """A 9,000-token state (past the 8,192 tokens of the largest graph's packed tokens)
     through the step loop's CUDA graphs on the tiny model, bf16: planted, then continued from by a hit and by a
-    grown state, every answer near the plain path's."""
+    grown state, every answer near the uncached forward's."""
     from statecache.cache import CacheSettings
     from statecache.engine import Engine
 
     eng = Engine(device="cuda", dtype="bfloat16", settings=CacheSettings(min_prefix=64, stride=1024), compile=False)
-    assert eng.steps is not None and eng.cache.batch.use_graphs and eng.runner.max_pos == 8192
+    assert eng.steps is not None and eng.runner.use_graphs
     g = torch.Generator().manual_seed(12)
 
     def t(n):
@@ -334,6 +320,6 @@ def test_a_state_past_the_chunk_runners_span_is_cached_through_the_step_bf16(ker
     rows = [{"ids": x + t(12), "state_len": len(x), "slots": [len(x) + 11], "nopts": [4]} for x in (s, s, grown)]
     got = [eng.answer([r])[0] for r in rows]
     assert [r["path"] for r in got] == ["cold", "hit", "partial"], [r.get("path") for r in got]
-    want = eng.plain.forward([(r["ids"], r["slots"], r["nopts"]) for r in rows])
+    want = eng.uncached(rows)
     for r, p in zip(got, want):
         assert max(abs(a - b) for a, b in zip(r["probs"][0], p[0])) < 2e-2

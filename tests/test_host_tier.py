@@ -1,8 +1,10 @@
 """The host tier (statecache.index's two tiers, statecache.tiers.HostPool), follow-ups protected, fork points.
 
 On the CPU the host tier is the same code with plain host tensors: a checkpoint evicted from the device budget is
-copied into the pool, and copied back (promoted) when a row needs it. Answers are checked against the uncached
-forward (tests/cache_util.reference) and the same row from a device-tier checkpoint, float32, 1e-4.
+copied into the pool, and copied back (promoted) when a row needs it. Rows run through the step loop
+(statecache.step.Steps over the small model: tests/cache_util.make_steps; the engine's tests on the built-in tiny
+model); answers are checked against the uncached forward (tests/cache_util.reference, Engine.uncached) and the same
+row from a device-tier checkpoint, float32, 1e-4.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from statecache.budget import HOST_DEFAULT_MAX_MB, MIB, host_budget
-from statecache.cache import CacheSettings
+from statecache.cache import Answer, CacheSettings
 from statecache.engine import Engine
 from statecache.index import DEVICE, HOST, CheckpointIndex
 from statecache.tiers import HostPool
-from tests.cache_util import assert_close, make_cache, reference, toks
+from tests.cache_util import assert_close, make_steps, one_thread, reference, run_rows, toks
 
 import torch
 
@@ -34,9 +36,22 @@ def question(n: int, seed: int) -> list[int]:
     return toks(n, 5000 + seed)
 
 
-def ask(cache, ids, state_len, slots, nopts):
-    ans = cache.row(ids, state_len, slots, nopts)
-    assert ans is not None
+def plant_all(ctx) -> bool:
+    """A cold_ok policy that plants every new state (the default declines one over half the budget, so with a 1 MiB
+    device budget and no host tier these 300-token states would never be planted)."""
+    return True
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    with one_thread():
+        yield
+
+
+def ask(steps, ids, state_len, slots, nopts):
+    """One row through the step loop to its end, equal to the uncached forward."""
+    ans = run_rows(steps, [(ids, state_len, slots, nopts)])[0]
+    assert isinstance(ans, Answer), f"the row failed: {ans!r}"
     assert_close(ans.probs, reference(ids, slots, nopts))
     return ans
 
@@ -219,19 +234,19 @@ def test_host_budget_from_the_setting_or_host_memory():
 # ---- the cache: a row restored from the host ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
-def test_a_row_restored_from_the_host_answers_as_from_the_device(pad):
-    cache = make_cache(pad, mb=1, host_mb=8)
-    roomy = make_cache(pad, mb=64, host_mb=0)
+def test_a_row_restored_from_the_host_answers_as_from_the_device():
+    steps = make_steps(mb=1, host_mb=8)
+    roomy = make_steps(mb=64, host_mb=0)
+    cache = steps.cache
     A, B, C = (toks(300, s) for s in (31, 32, 33))  # p = 256: checkpoints at 128, 240 -> 192, 256
     for s, seed in ((A, 1), (B, 2), (C, 3)):
-        ask(cache, s + question(8, seed), 300, [307], [4])
+        ask(steps, s + question(8, seed), 300, [307], [4])
         ask(roomy, s + question(8, seed), 300, [307], [4])
     assert cache.index.bytes <= cache.index.budget_bytes and cache.index.counts["demoted"] > 0
     deepest = cache.index.lookup(A + question(9, 4), 256)
     assert deepest is not None and deepest.pos == 256 and deepest.tier == HOST  # A went to the host
     ids = A + question(9, 4)
-    got = ask(cache, ids, 300, [308], [4])
+    got = ask(steps, ids, 300, [308], [4])
     dev = ask(roomy, ids, 300, [308], [4])
     assert got.path == dev.path == "hit" and got.reused == dev.reused == 256
     assert_close(got.probs, dev.probs)
@@ -241,22 +256,22 @@ def test_a_row_restored_from_the_host_answers_as_from_the_device(pad):
     assert cache.index.bytes <= cache.index.budget_bytes and cache.index.host_bytes <= cache.index.host_budget_bytes
 
 
-@pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
-def test_without_the_host_tier_the_same_row_is_cold(pad):
-    cache = make_cache(pad, mb=1, host_mb=0)
+def test_without_the_host_tier_the_same_row_is_cold():
+    steps = make_steps(plant_all, mb=1, host_mb=0)
     A, B, C = (toks(300, s) for s in (31, 32, 33))
     for s, seed in ((A, 1), (B, 2), (C, 3)):
-        ask(cache, s + question(8, seed), 300, [307], [4])
-    assert ask(cache, A + question(9, 4), 300, [308], [4]).path == "cold" and cache.host is None
+        assert ask(steps, s + question(8, seed), 300, [307], [4]).path == "cold"
+    assert steps.cache.stats["evicted"] > 0
+    assert ask(steps, A + question(9, 4), 300, [308], [4]).path == "cold" and steps.cache.host is None
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2), st.integers(1, 12)), min_size=2, max_size=7),
        st.integers(0, 2), st.sampled_from([0, 1, 2]))
 def test_random_rows_and_tiny_budgets_never_answer_wrong(visits, dev_mb, host_mb):
-    """Agents whose states grow or change in the middle, under tiny budgets on both tiers: every answer equals the
-    uncached forward and neither tier is ever over its budget."""
-    cache = make_cache(False, mb=dev_mb or 1, host_mb=host_mb)
+    """Agents whose states grow or change in the middle, under tiny budgets on both tiers (every new state planted):
+    every answer equals the uncached forward and neither tier is ever over its budget."""
+    steps = make_steps(plant_all, mb=dev_mb or 1, host_mb=host_mb)
     base = {a: toks(260, 100 + a) for a in range(5)}
     for k, (agent, change, q) in enumerate(visits):
         state = base[agent]
@@ -266,51 +281,55 @@ def test_random_rows_and_tiny_budgets_never_answer_wrong(visits, dev_mb, host_mb
             state = state[:150] + toks(120, 300 + k)
         base[agent] = state
         ids = state + question(q, k)
-        ask(cache, ids, len(state), [len(ids) - 1], [4])
-        budgets_hold(cache.index)
+        assert ask(steps, ids, len(state), [len(ids) - 1], [4]).path != "plain"
+        budgets_hold(steps.cache.index)
 
 
 # ---- fork points ------------------------------------------------------------------------------------------------------
 
 
 def test_a_fork_point_is_planted_where_a_new_page_leaves_a_cached_state():
-    cache = make_cache(False, stride=0, tail=0, host_mb=0)  # checkpoints only at the state's end
+    steps = make_steps(stride=0, tail=0, host_mb=0)  # checkpoints only at the state's end
+    cache = steps.cache
     goal = toks(200, 41)
     A = goal + toks(120, 42)  # p = 320
-    ask(cache, A + question(5, 1), 320, [324], [4])
+    ask(steps, A + question(5, 1), 320, [324], [4])
     B = goal + toks(120, 43)  # shares [0, 200) with A: aligned, [0, 192); no checkpoint there
-    b = ask(cache, B + question(5, 2), 320, [324], [4])
+    b = ask(steps, B + question(5, 2), 320, [324], [4])
     assert b.path == "cold" and cache.stats["tokens_lost"] == 192 and cache.stats["forks"] == 1
     assert sorted(c.pos for c in cache.index.lru_order()) == [192, 320, 320]
     C = goal + toks(120, 44)  # the next page change reuses the goal
-    c = ask(cache, C + question(5, 3), 320, [324], [4])
+    c = ask(steps, C + question(5, 3), 320, [324], [4])
     assert c.path == "partial" and c.reused == 192 and cache.stats["tokens_lost"] == 192
 
 
-def test_the_engine_plants_a_fork_point_in_a_new_states_forward():
-    eng = Engine(device="cpu", dtype="float32", max_pos=2048,
-                 settings=CacheSettings(min_prefix=64, stride=0, tail=0, host_mb=0))
+def test_the_engine_plants_a_fork_point_in_a_new_states_run():
+    eng = Engine(device="cpu", dtype="float32", settings=CacheSettings(min_prefix=64, stride=0, tail=0, host_mb=0))
     goal = etoks(200, 51)
     rows = [{"ids": goal + etoks(120, k) + etoks(6, 60 + k), "state_len": 320, "slots": [325], "nopts": [4]}
             for k in (52, 53, 54)]
-    paths = [eng.answer([r])[0]["path"] for r in rows]
-    assert paths == ["cold", "cold", "partial"]
+    res = [eng.answer([r])[0] for r in rows]
+    assert [r["path"] for r in res] == ["cold", "cold", "partial"] and res[2]["reused"] == 192
     assert eng.cache.stats["forks"] == 1 and eng.stats()["cache"]["tokens_lost"] == 192
     third = eng.answer([dict(rows[2], slots=[324])])[0]
     assert third["path"] == "hit"
+    for r, want in zip(res + [third], eng.uncached(rows + [dict(rows[2], slots=[324])])):
+        assert_close(r["probs"], want)
 
 
 # ---- follow-ups protected ---------------------------------------------------------------------------------------------
 
 
 def _burst_engine(host_mb: int) -> Engine:
-    return Engine(device="cpu", dtype="float32", max_pos=2048, batch=0,
+    """Steps of 192 tokens, pieces of at most 64: three new pages fill a step."""
+    return Engine(device="cpu", dtype="float32", step_tokens=192, step_chunk=64,
                   settings=CacheSettings(min_prefix=64, stride=192, mb=1, host_mb=host_mb))
 
 
 def test_a_row_taken_with_a_burst_of_new_pages_keeps_its_state():
-    """batch 0: every cached row runs after the batch's new pages, which plant enough to evict its state; the row
-    was taken with them, so its checkpoint is pinned and it still hits (with the host tier off)."""
+    """A's grown state (153 tokens past its checkpoint: a long computation) comes after three new pages, which fill
+    each step until they have planted enough to evict A's state; the row was taken with them, so the checkpoint it
+    found is pinned and it still continues from it (with the host tier off)."""
     eng = _burst_engine(0)
     A = etoks(300, 61)
     first = eng.answer([{"ids": A + etoks(8, 1), "state_len": 300, "slots": [307], "nopts": [4]}])[0]
@@ -319,16 +338,14 @@ def test_a_row_taken_with_a_burst_of_new_pages_keeps_its_state():
     one = eng.cache.state_bytes(300)
     assert 2 * one <= eng.cache.index.budget_bytes < 4 * one, "the test's sizes no longer force evictions"
     batch = [{"ids": P + etoks(8, 2), "state_len": 300, "slots": [307], "nopts": [4]} for P in pages]
-    batch.append({"ids": A + etoks(9, 3), "state_len": 300, "slots": [308], "nopts": [4]})
+    grown = A + etoks(100, 3)
+    batch.append({"ids": grown + etoks(9, 4), "state_len": 400, "slots": [408], "nopts": [4]})
     res = eng.answer(batch)
-    assert [r["path"] for r in res] == ["cold", "cold", "cold", "hit"]
+    assert [r["path"] for r in res] == ["cold", "cold", "cold", "partial"] and res[3]["reused"] == 256
+    assert eng.cache.stats["evicted"] > 0  # (unpinned, A's state goes: the row would be new and too large to plant)
     assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
-    for r, raw in zip(res, batch):
-        assert_close(r["probs"], _plain(eng, raw))
-
-
-def _plain(eng: Engine, raw: dict) -> list[list[float]]:
-    return eng.plain.forward([(raw["ids"], raw["slots"], raw["nopts"])])[0]
+    for r, want in zip(res, eng.uncached(batch)):
+        assert_close(r["probs"], want)
 
 
 def test_engine_stats_carry_the_tiers():

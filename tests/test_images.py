@@ -1,8 +1,12 @@
 """Rows with images, on the tiny model with a vision tower (statecache.tiny.tiny_vl_model_dir: every parameter of
-text model and tower perturbed), against transformers' own Qwen3_5ForConditionalGeneration in float32 on the CPU:
-one and two images, in the state and in the question, on the plain path (packed with text rows) and cached (cold,
-hit with a new question, a state grown after the image, a different image at the same place); the multimodal
-positions against transformers' get_rope_index; the token form; bad image inputs each a clear error result.
+text model and tower perturbed), against transformers' own Qwen3_5ForConditionalGeneration in float32 on the CPU,
+every row through the engine's step loop (a piece holding image tokens in an eager forward of its own, exact or with
+its shapes bucketed and padding masked as on the GPU): one and two images, in the state and in the question, plain
+(uncached, beside a text row) and cached (cold, hit with a new question, a state grown after the image, a different
+image at the same place); the step loop's batch graphs (stand-ins replaying the Triton batch kernels in the
+interpreter) for the text pieces after an image, with and without specialists, against transformers and
+`Engine.uncached`; the multimodal positions against transformers' get_rope_index; the token form; bad image inputs
+each a clear error result.
 """
 
 from __future__ import annotations
@@ -23,9 +27,8 @@ from statecache.engine import Engine
 from statecache.images import PLACEHOLDER, positions
 from statecache.rows import check_row
 from statecache.tiny import tiny_model_dir, tiny_vl_model_dir
-from tests.cache_util import answer_in_waves, assert_close, one_thread
+from tests.cache_util import answer_in_waves, assert_close, make_steps, one_thread
 from tests.oracle_util import option_ids
-from tests.test_graph_modes import fake_graphs  # noqa: F401 - the stand-in CUDA graphs fixture
 
 TOL = 1e-4
 WORDS = "the agent opened the page and read the form; the next step is to choose a field. "
@@ -49,9 +52,14 @@ def ref(model_dir):
 
 @pytest.fixture(params=[pytest.param(False, id="exact"), pytest.param(True, id="padded")])
 def make(request, model_dir):
+    """An engine on the CPU; padded: its batched runner buckets each forward's shapes and masks the padding (as on
+    the GPU, where the graphs pad and a piece holding image tokens runs eagerly at its bucket's shape)."""
+
     def make(**kw) -> Engine:
-        kw.setdefault("settings", CacheSettings(min_prefix=64, stride=192))
-        return Engine(model_dir, device="cpu", dtype="float32", max_pos=2048, pad_chunks=request.param, **kw)
+        kw.setdefault("settings", CacheSettings(min_prefix=64, stride=192, host_mb=0))
+        eng = Engine(model_dir, device="cpu", dtype="float32", **kw)
+        eng.runner.pad = request.param
+        return eng
 
     return make
 
@@ -99,11 +107,13 @@ def check(eng, ref, raws, results):
         assert_close(res["probs"], reference(eng, ref, raw), TOL)
 
 
-# ---- plain path ---------------------------------------------------------------------------------------------------
+# ---- uncached ----------------------------------------------------------------------------------------------------
 
 
-def test_plain_one_and_two_images_packed_with_text_rows(make, ref):
-    eng = make(settings=CacheSettings(mb=0))  # everything plain
+def test_plain_rows_with_one_and_two_images_beside_a_text_row(make, ref):
+    """No cache: each row through the step loop from nothing (path "plain"), the two image rows in one eager forward,
+    the text row beside them."""
+    eng = make(settings=CacheSettings(mb=0, host_mb=0))  # everything plain
     rows = [
         {"state": f"{WORDS}screen: {PLACEHOLDER} end", "questions": [q("Is it a login page?", 2)], "images": [png(1)]},
         {"state": WORDS * 2, "questions": [q("A text row beside them?")]},
@@ -144,7 +154,7 @@ def test_text_rows_unchanged_on_the_vision_checkpoint(make, ref):
 
 
 def test_token_form_with_images_equals_text_form(make, ref):
-    eng = make(settings=CacheSettings(mb=0))
+    eng = make(settings=CacheSettings(mb=0, host_mb=0))
     raw = {"state": f"{WORDS}{PLACEHOLDER}", "questions": [q("What is shown?")], "images": [png(7)]}
     row = check_row(raw, eng.vocab_size, eng.max_row_tokens, eng.tokenizer, eng.images)
     tok = {"ids": row["ids"], "state_len": row["state_len"], "slots": row["slots"], "options": row["options"],
@@ -188,9 +198,7 @@ def test_cached_hit_grown_state_and_a_different_image(make, ref):
     assert res["path"] in ("cold", "partial") and res["reused"] <= row_d["images"][0].start
     check(eng, ref, [d], [res])
     assert eng.embeddings.stats["vision_runs"] == runs + 1
-    # every row through the step loop (a piece holding image tokens in an eager forward of its own)
-    assert eng.phases["step_rows"] == 4 and eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0
-    assert eng.phases["batched_rows"] == 0
+    assert eng.phases["step_rows"] == 4  # every row answered by the step loop
 
 
 def test_cached_images_in_state_and_question(make, ref):
@@ -231,7 +239,7 @@ def test_random_waves_of_image_and_text_rows_through_the_step(make, ref, data, s
     random step budgets, chunk sizes and cache budgets: every row is answered once, through the step loop, as
     transformers answers it (float32, 1e-4), and the cache stays inside its budget."""
     eng = make(step_tokens=step_tokens, step_chunk=step_chunk,
-               settings=CacheSettings(min_prefix=64, stride=192, mb=mb))
+               settings=CacheSettings(min_prefix=64, stride=192, mb=mb, host_mb=0))
     states: list[tuple[str, int]] = []  # (state text, screenshot index)
     waves, k = [], 0
     for wave, steps in data.draw(st.lists(st.tuples(st.lists(st.sampled_from(["again", "grow", "other", "new", "text"]),
@@ -258,7 +266,6 @@ def test_random_waves_of_image_and_text_rows_through_the_step(make, ref, data, s
     check(eng, ref, rows, res)
     for r in res:
         event(r["path"])
-    assert eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0  # everything through the step loop
     assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
 
 
@@ -328,7 +335,8 @@ def test_demo_screenshot_rows_through_the_worker(redis_url, queue_name, model_di
     from producer import demo
     from tests.harness import InProcessWorker
 
-    make = lambda: Engine(model_dir, device="cpu", dtype="float32", settings=CacheSettings(min_prefix=64))  # noqa: E731
+    make = lambda: Engine(model_dir, device="cpu", dtype="float32",  # noqa: E731
+                          settings=CacheSettings(min_prefix=64, host_mb=0))
     with InProcessWorker(redis_url, queue_name, make) as w:
         rc = demo.main(["--seconds", "2", "--every-s", "1", "--agents", "2", "--redis-url", redis_url,
                         "--queue", queue_name, "--screenshots"])
@@ -343,7 +351,7 @@ def test_checkpoint_inside_an_image_continues_with_the_image_tail(make, ref):
     """Checkpoints every 64 tokens: one falls inside the image's pad run. A row that shares the state up to the end
     of the image and differs after it restores that checkpoint and runs the rest of the image (its embeddings from
     the middle on, at their grid positions) in its first chunk."""
-    eng = make(settings=CacheSettings(min_prefix=64, stride=64, tail=0))
+    eng = make(settings=CacheSettings(min_prefix=64, stride=64, tail=0, host_mb=0))
     img = png(70, 32, 32)  # 8 x 8 merged tokens: 64 of them, so a multiple of 64 lies inside (or at its edge)
     for extra in range(0, 64, 7):
         a = {"state": "x" * extra + f"{WORDS * 2}{PLACEHOLDER}{WORDS * 3}", "questions": [q("First?")], "images": [img]}
@@ -375,30 +383,88 @@ def test_rope_of_equal_multimodal_positions_is_the_text_rope(model_dir):
     assert not torch.equal(eng.model.rope(p3)[0], c1)
 
 
-def test_image_rows_through_replayed_graphs(fake_graphs, model_dir, ref):
-    """Graph mode (tests.test_graph_modes' stand-in graphs, which replay the captured function): chunks after the
-    image run as the same graphs as text chunks, their rotary shift read from the graph's input buffer."""
+class _ReplayGraph:
+    """A stand-in CUDA graph: a replay runs the captured function again into the captured output."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.fn())
+
+
+@pytest.fixture
+def batch_graphs(monkeypatch):
+    """statecache.batch's CUDA graphs on this machine: the Triton batch kernels (in the interpreter without CUDA)
+    and capture replaced by a stand-in graph that replays the forward (one warm-up run: the interpreter is slow)."""
+    import statecache.graphs as graphs_mod
+    from tests.triton_interp import load
+
+    for mod, kernel in (("statecache.conv_triton", "_conv_chunk_kernel"), ("statecache.gdn_triton", "_delta_chunk_kernel"),
+                        ("statecache.span_triton", "_span_batch_kernel")):
+        load(mod, kernel)
+
+    def capture(fn, pool, warmup=2):
+        out = fn()
+        return _ReplayGraph(fn, out), out
+
+    monkeypatch.setattr(graphs_mod, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+
+def graph_steps(eng: Engine, specialists=None):
+    """The step loop over `eng`'s model with a batched runner in graph mode (the `batch_graphs` stand-ins) and a
+    cache of its own."""
+    from statecache.batch import BatchRunner
     from statecache.kernels import TorchKernels
-    from statecache.runner import ChunkRunner
-    from statecache.cache import StateCache
+
+    runner = BatchRunner(eng.model, TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=1024,
+                         tokens=(64, 128, 256), specialists=specialists)
+    runner.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid (tested on its own)
+    assert runner.use_graphs and runner.pad
+    return make_steps(runner=runner, budget_tokens=256, mb=1024)
+
+
+def step_row(steps, eng: Engine, raw: dict):
+    """One raw row checked as the engine checks it (with its RowImages) and run through `steps` -> (its Answer, the
+    checked row)."""
     from statecache.vision import RowImages
 
-    eng = Engine(model_dir, device="cpu", dtype="float32")
-    runner = ChunkRunner(eng.model, TorchKernels(), graphs=True, max_pos=1024)
-    cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128))
+    row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images, as_array=True)
+    row["mm"] = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)
+    steps.add(0, row)
+    got = []
+    while steps.pending():
+        got += steps.step()
+    ((_, ans),) = got
+    return ans, row
+
+
+def replays(runner) -> int:
+    return sum(g.graph.replays for g in runner.graphs.values() if g is not None)
+
+
+def test_image_rows_through_replayed_graphs(batch_graphs, model_dir, ref):
+    """Graph mode (stand-in graphs replaying the Triton batch kernels): the pieces holding the image run eagerly, the
+    text pieces after it as the same batch graphs as text rows, their rotary shift in the graph's input buffer; cold,
+    hit and grown rows answer as transformers."""
+    eng = Engine(model_dir, device="cpu", dtype="float32", settings=CacheSettings(host_mb=0))
+    steps = graph_steps(eng)
     state = f"{WORDS * 2}{PLACEHOLDER}{WORDS * 4}"
     raws = [{"state": state, "questions": [q(f"Question {k}?")], "images": [png(80)]} for k in range(2)]
     raws.append(dict(raws[0], state=state + "one more step was taken; " * 8))
     for raw, path in zip(raws, ["cold", "hit", "partial"]):
-        row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
-        mm = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)
-        before = sum(g.graph.replays for g in runner.graphs.values() if g is not None)
-        ans = cache.row(row["ids"], row["state_len"], row["slots"], row["options"], images=mm)
-        assert ans is not None and ans.path == path
+        before = replays(steps.runner)
+        ans, row = step_row(steps, eng, raw)
+        assert ans.path == path
         assert_close(ans.probs, reference(eng, ref, raw), TOL)
         if path != "cold":
-            assert mm.shift(row["state_len"]) != 0  # text after the image: positions are not the token index
-            assert sum(g.graph.replays for g in runner.graphs.values() if g is not None) > before
+            assert row["mm"].shift(row["state_len"]) != 0  # text after the image: positions are not the token index
+            assert replays(steps.runner) > before  # its pieces (all past the image) replayed graphs
+    assert steps.runner.stats["captures"] >= 1 and steps.runner.stats["capture_failed"] == 0
 
 
 def test_tiny_vision_model_is_the_released_layout(model_dir, ref):
@@ -422,44 +488,42 @@ def test_tiny_vision_model_is_the_released_layout(model_dir, ref):
 
 
 def test_jpeg_and_webp_rows_answer(make, ref):
-    eng = make(settings=CacheSettings(mb=0))
+    eng = make(settings=CacheSettings(mb=0, host_mb=0))
     rows = [{"state": f"{WORDS}{PLACEHOLDER}", "questions": [q("Which?")], "images": [png(100 + k, fmt=f)]}
             for k, f in enumerate(["JPEG", "WEBP"])]
     res = eng.answer(rows)
     check(eng, ref, rows, res)
 
 
-# ---- with the other paths: planting from the packed forward, specialists -------------------------------------------
+# ---- planting, specialists -----------------------------------------------------------------------------------------
 
 
-def test_packed_forward_plants_an_image_state_as_the_chunked_path_does(model_dir):
-    """A new image state's first row plants from the batch's packed forward (statecache.plant): its checkpoints
-    (conv tails, GDN states) and K/V (rotated at the multimodal positions) equal what the cache's chunked path plants
-    for the same row, and they are filed under the row's image key tokens."""
+def test_image_state_planted_in_one_piece_equals_one_planted_over_several_steps(model_dir):
+    """A new image state's checkpoints kept inside one piece (snapshots of the eager image forward) equal those kept
+    at the ends of 64-token pieces over several steps: their conv tails, GDN states and K/V (rotated at the
+    multimodal positions), filed under the row's image key tokens, not its token ids."""
     from statecache.vision import RowImages
 
     raw = {"state": f"{WORDS * 2}{PLACEHOLDER}{WORDS * 3}", "questions": [q("Which field?")], "images": [png(110)]}
-    settings = CacheSettings(min_prefix=64, stride=64)
-    packed = Engine(model_dir, device="cpu", dtype="float32", max_pos=2048, settings=settings)
-    calls = []
-    own_row = packed.cache.row
-    packed.cache.row = lambda *a, **kw: calls.append(a) or own_row(*a, **kw)
-    res = packed.answer([raw])[0]
-    assert res["path"] == "cold" and not calls  # planted by the packed forward, not the chunked path
-    chunked = Engine(model_dir, device="cpu", dtype="float32", max_pos=2048, settings=settings)
-    row = check_row(raw, chunked.vocab_size, 4096, chunked.tokenizer, chunked.images)
-    mm = RowImages(row["ids"], row["images"], chunked.embeddings, chunked.device)
-    ans = chunked.cache.row(row["ids"], row["state_len"], row["slots"], row["options"], images=mm)
-    assert ans.path == "cold"
-    assert_close(res["probs"], ans.probs, TOL)
-    got = {c.pos: c for c in packed.cache.index.lru_order()}
-    want = {c.pos: c for c in chunked.cache.index.lru_order()}
-    assert sorted(got) == sorted(want) and any(p > row["images"][0].end for p in got)
+    settings = CacheSettings(min_prefix=64, stride=64, host_mb=0)
+    engines = [Engine(model_dir, device="cpu", dtype="float32", settings=settings, step_chunk=chunk)
+               for chunk in (1024, 64)]
+    res = [eng.answer([raw])[0] for eng in engines]
+    assert [r["path"] for r in res] == ["cold", "cold"]
+    assert_close(res[0]["probs"], res[1]["probs"], TOL)
+    # one 240-token piece keeping its checkpoints (64, inside the image, 128 and 192) inside it; four 64-token pieces
+    assert [e.steps.stats["steps"] for e in engines] == [1, 4]
+    eng = engines[0]
+    row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
+    mm = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)
+    got = {c.pos: c for c in engines[0].cache.index.lru_order()}
+    want = {c.pos: c for c in engines[1].cache.index.lru_order()}
+    assert sorted(got) == sorted(want) and len(got) >= 2 and any(p > row["images"][0].end for p in got)
     for pos, c in want.items():
         g = got[pos]
         assert list(g.group.tokens) == list(mm.keys[: len(g.group.tokens)]) != row["ids"][: len(g.group.tokens)]
         for a, b in zip(g.payload[:2], c.payload[:2]):
-            assert (a - b).abs().max().item() <= TOL
+            assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
         for a, b in zip(g.group.payload[:2], c.group.payload[:2]):
             assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
 
@@ -482,9 +546,8 @@ def _spec_reference(eng: Engine, ref_, raw: dict) -> tuple[str, list[list[float]
 
 def test_image_rows_with_specialists(make, model_dir, vl_specialists):
     """Image rows with specialists, against transformers' Qwen3_5ForConditionalGeneration with peft's adapters and
-    the router over its hidden states: cached (a new state plants through the chunked path, hit, grown state,
-    another image; wrong route guesses forced, so rows rerun with the router's route) and plain (packed with a text
-    row)."""
+    the router over its hidden states: cached (a new state, hit, grown state, another image; wrong route guesses
+    forced, so rows rerun with the router's route) and plain (no cache, beside a text row)."""
     from tests.spec_util import SpecReference
 
     eng = make(specialists=vl_specialists)
@@ -511,11 +574,11 @@ def test_image_rows_with_specialists(make, model_dir, vl_specialists):
     assert got[-1]["path"] == "partial" and got[-1]["reused"] > img_end  # a grown state, restored past the image
     assert eng.cache.stats["mispredict"] >= 2
     assert eng.embeddings.stats["vision_runs"] == 2
-    assert eng.phases["step_rows"] == len(rows) and eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0
+    assert eng.phases["step_rows"] == len(rows)
     for c in eng.cache.index.lru_order():  # a checkpoint's feature sum, under its image key tokens
         assert c.payload[2].shape == (eng.model.cfg.hidden_size,)
 
-    plain = make(specialists=vl_specialists, settings=CacheSettings(mb=0))
+    plain = make(specialists=vl_specialists, settings=CacheSettings(mb=0, host_mb=0))
     batch = rows[:2] + [{"state": WORDS * 3, "questions": [q("Text only?")]}]
     res = plain.answer(batch)
     for raw, r in zip(batch, res):
@@ -525,21 +588,14 @@ def test_image_rows_with_specialists(make, model_dir, vl_specialists):
         assert_close(r["probs"], want, TOL)
 
 
-def test_image_rows_with_specialists_through_replayed_graphs(fake_graphs, model_dir, ref, vl_specialists):  # noqa: F811
-    """Stand-in graphs with specialists: the chunk graphs' inputs carry both the route and the rotary shift; every
-    route's image row, cold, hit and grown, equals the eager plain path's answer and route."""
-    from statecache.cache import StateCache
-    from statecache.kernels import TorchKernels
-    from statecache.plain import PlainPath
-    from statecache.runner import ChunkRunner
-    from statecache.specialists import load_specialists
-    from statecache.vision import RowImages
-
-    eng = Engine(model_dir, device="cpu", dtype="float32")
-    spec = load_specialists(vl_specialists, eng.model.cfg)
-    runner = ChunkRunner(eng.model, TorchKernels(), graphs=True, max_pos=1024, specialists=spec)
-    cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128))
-    plain = PlainPath(eng.model, TorchKernels(), specialists=spec)
+def test_image_rows_with_specialists_through_replayed_graphs(batch_graphs, model_dir, vl_specialists):
+    """Stand-in batch graphs with specialists: the graphs' inputs carry both the route and the rotary shift; every
+    route's image row, cold, hit and grown, with wrong route guesses forced, equals the eager engine's uncached
+    answer and route."""
+    eng = Engine(model_dir, device="cpu", dtype="float32", specialists=vl_specialists,
+                 settings=CacheSettings(host_mb=0))
+    steps = graph_steps(eng, eng.specialists)
+    cache = steps.cache
     state = f"{WORDS * 2}{PLACEHOLDER}{WORDS * 4}"
     raws = [{"state": state, "questions": [q(f"Question {k}?")], "images": [png(130)]} for k in range(3)]
     raws.append(dict(raws[0], state=state + "one more step was taken; " * 8))
@@ -549,16 +605,15 @@ def test_image_rows_with_specialists_through_replayed_graphs(fake_graphs, model_
     for raw in raws:
         g = next(guesses)
         cache.guess = lambda best, g=g: own(best) if g is None else g
-        row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
-        mm = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)
-        ans = cache.row(row["ids"], row["state_len"], row["slots"], row["options"], images=mm)
-        assert ans is not None
-        (want, route), = plain.answer([(row["ids"], row["slots"], row["options"], mm)])
-        assert ans.route == route
+        ans, row = step_row(steps, eng, raw)
+        (want,) = eng.uncached([raw])
+        (res,) = eng.answer([raw])  # the eager engine's route (and its answer: the uncached one's)
+        assert eng.specialists.names[ans.route] == res["route"]
         assert_close(ans.probs, want, TOL)
+        assert_close(res["probs"], want, TOL)
         paths.append(ans.path)
         routes.add(ans.route)
     # an adapter route (not the trunk) answers; the forced wrong guesses ran the graphs with the other routes first
     assert paths == ["cold", "hit", "hit", "partial"] and 0 not in routes, (paths, routes)
     assert cache.stats["mispredict"] >= 2
-    assert sum(g.graph.replays for g in runner.graphs.values() if g is not None) > 0
+    assert replays(steps.runner) > 0

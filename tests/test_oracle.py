@@ -2,14 +2,19 @@
 
 Six tiny random checkpoints (tests.oracle_util.CONFIGS: both layouts, tied and untied in each, sharded ones, GQA and
 GVA ratios, linear key dim != value dim, partial rotary 0.25 / 0.5 / 1.0, mrope fields) with every parameter
-perturbed, and the built-in tiny model with its tokenizer's letter ids, each built once per module. Three of our
-paths answer rows, compared with the softmax over transformers' full logits at the slots, restricted to the first
-nopts letters:
-1. the plain packed path (several rows of different lengths in one cu_seqlens forward);
-2. the chunked continuation from a reset state, chunks of their real lengths (pad=False);
-3. the same with chunk lengths bucketed and padding masked (pad=True), chunk boundaries off multiples of 64.
-Also: rows continuing from checkpoints a packed forward planted (statecache.plant); a conditional checkpoint whose
-two tie_word_embeddings flags disagree is read as transformers reads it (by the top-level one); and the delta rule
+perturbed, and the built-in tiny model with its tokenizer's letter ids, each built once per module. Rows run through
+the step loop (statecache.step.Steps over the batched runner, eager on the CPU: the engine's one runner) and are
+compared with the softmax over transformers' full logits at the slots, restricted to the first nopts letters:
+1. uncached (rows run fresh: no lookup, nothing planted): rows of different lengths packed in one step's forward, or
+   spread over several steps by a small step budget; lone rows with the runner's shapes bucketed and the padding
+   masked (pad=True); a question with more slots than a piece holds, cut at its slots (pieces off multiples of 64);
+2. cached: a state growing chunk by chunk (plain while too short, cold, continued from its checkpoints, a hit with a
+   new question), exact and padded runner, after another row left stale state in the runner's buffers; rows
+   continuing from the checkpoints that several new states planted in one packed step (the same state, a grown one,
+   one changed in the middle);
+3. the engine over the tiny model: `Engine.uncached` (a split row included) and `Engine.answer` (cold, hit, partial).
+Also: the padded step loop plants the exact one's checkpoints and K/V; a conditional checkpoint whose two
+tie_word_embeddings flags disagree is read as transformers reads it (by the top-level one); and the delta rule
 itself against transformers' chunked and recurrent torch implementations (1e-5).
 """
 
@@ -22,12 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from statecache.batch import BatchRunner
+from statecache.cache import CacheSettings
 from statecache.checkpoints import hf_qwen3_5, load_reference, make_checkpoint
 from statecache.kernels import TorchKernels, delta_rule_reference
 from statecache.loader import load_weights
 from statecache.model import Qwen35
-from statecache.plain import PlainPath
-from statecache.runner import ChunkRunner
+from statecache.step import Steps
+from tests.cache_util import make_steps, run_rows
 from tests.oracle_util import CONFIGS, LETTERS, VOCAB, Reference, build_checkpoint, max_abs_diff, random_ids
 
 TOL = 1e-4  # answers (probabilities), float32 on the CPU
@@ -95,47 +102,79 @@ def _rows(seed: int, vocab: int):
     return [(random_ids(n, seed * 100 + i, vocab), slots, nopts) for i, (n, slots, nopts) in enumerate(PLAIN_ROWS)]
 
 
-def test_plain_single_padded_rows_match_transformers(case):
-    """A lone row zero-padded to a bucket (the GPU's graph form; here eager on the CPU) answers as transformers."""
-    rows = _rows(2, case.model.cfg.vocab_size)
-    plain = PlainPath(case.model, TorchKernels(), pad=True, bucket=48)
-    for row in rows:
-        T, S = plain.shape(len(row[0]), len(row[1]))
-        assert T % 48 == 0 and T >= len(row[0]) and S >= len(row[1])
-        got = plain.forward([row])[0]
-        d = max_abs_diff(got, case.ref.answers(*row))
-        assert d < TOL, f"{case.name}: padded single row (len {len(row[0])} -> {T}): max |diff| {d:.2e}"
-    many = [(random_ids(20, 7, case.model.cfg.vocab_size), list(range(20)), [3] * 20)]  # more slots than any bucket
-    assert plain.shape(20, 20) is not None and plain.shape(20, 65) is None
-    assert max_abs_diff(plain.forward(many)[0], case.ref.answers(*many[0])) < TOL
+def steps_over(model: Qwen35, pad: bool = False, budget: int = 1024, **settings) -> Steps:
+    """The step loop over `model` (tests.cache_util.make_steps with its own runner: eager; pad: shapes bucketed,
+    padding masked)."""
+    runner = BatchRunner(model, TorchKernels(), max_slots=4, max_batch=16, max_pos=1024, pad=pad)
+    return make_steps(runner=runner, budget_tokens=budget, **settings)
 
 
-@pytest.mark.parametrize("max_tokens", [16384, 160])
-def test_plain_packed_path_matches_transformers(case, max_tokens):
+def uncached(steps: Steps, rows) -> list:
+    """Rows (ids, slots, nopts) run fresh through `steps` (from nothing, no lookup, nothing planted) -> Answers."""
+    return run_rows(steps, [(ids, 0, slots, nopts) for ids, slots, nopts in rows], fresh=True)
+
+
+@pytest.mark.parametrize("budget", [1024, 160])
+def test_uncached_packed_rows_match_transformers(case, budget):
+    """Rows of different lengths run fresh through the step loop: with a step budget that holds them all, packed
+    in one forward; with a small budget, spread over several steps."""
     rows = _rows(1, case.model.cfg.vocab_size)
-    plain = PlainPath(case.model, TorchKernels(), max_tokens=max_tokens)
-    if max_tokens == 16384:
-        assert len(plain.batches([len(r[0]) for r in rows])) == 1  # all rows in one packed forward
-    else:
-        assert len(plain.batches([len(r[0]) for r in rows])) > 1
-    ours = plain.forward(rows)
+    steps = steps_over(case.model, budget=budget)
+    ours = uncached(steps, rows)
     assert len(ours) == len(rows)
-    for k, (row, got) in enumerate(zip(rows, ours)):
-        want = case.ref.answers(*row)
-        d = max_abs_diff(got, want)
-        assert d < TOL, f"{case.name}: plain path row {k} (len {len(row[0])}, slots {row[1]}): max |diff| {d:.2e}"
-        for p, n in zip(got, row[2]):
+    if budget == 1024:
+        assert steps.stats["steps"] == steps.runner.stats["forwards"] == 1, steps.stats
+        assert steps.runner.stats["sequences"] == len(rows)  # all six in one forward
+    else:
+        assert steps.stats["steps"] > 2, steps.stats
+    for k, (row, ans) in enumerate(zip(rows, ours)):
+        assert ans.path == "plain" and ans.reused == 0
+        d = max_abs_diff(ans.probs, case.ref.answers(*row))
+        assert d < TOL, f"{case.name}: uncached row {k} (len {len(row[0])}, slots {row[1]}): max |diff| {d:.2e}"
+        for p, n in zip(ans.probs, row[2]):
             assert len(p) == n and abs(sum(p) - 1) < 1e-5
+    assert len(steps.cache.index) == 0  # fresh rows plant nothing
 
 
-# chunk boundaries (a, b) of a row of N tokens: [0, a), [a, b), [b, N); none a multiple of 64 except where noted
+def test_uncached_lone_padded_rows_match_transformers(case):
+    """A lone row through a padded runner (its forward's tokens bucketed, the padding masked: the GPU's graph form,
+    here eager on the CPU) answers as transformers; so does a question with more slots than a piece holds, cut at
+    its slots into pieces that continue each other's state from positions off multiples of 64."""
+    rows = _rows(2, case.model.cfg.vocab_size)
+    steps = steps_over(case.model, pad=True)
+    runner = steps.runner
+    assert runner.pad and not runner.use_graphs
+    assert [runner.shape(1, len(r[0]))[1] for r in rows] == [192, 64, 64, 128, 64, 192]  # every one padded
+    for row in rows:
+        forwards = runner.stats["forwards"]
+        (ans,) = uncached(steps, [row])
+        d = max_abs_diff(ans.probs, case.ref.answers(*row))
+        assert d < TOL, f"{case.name}: lone padded row (len {len(row[0])}): max |diff| {d:.2e}"
+        assert runner.stats["forwards"] - forwards == 1
+    many = (random_ids(20, 7, case.model.cfg.vocab_size), list(range(20)), [3] * 20)  # 20 slots, 4 a piece
+    pieces = steps.stats["pieces"]
+    (ans,) = uncached(steps, [many])
+    assert steps.stats["pieces"] - pieces == 5
+    assert max_abs_diff(ans.probs, case.ref.answers(*many)) < TOL
+
+
+# chunk edges (a, b) of a row of N tokens: [0, a), [a, b), [b, N); none a multiple of 64 except where noted
 N = 170
 CHUNKINGS = [
     (37, 101),  # 37, 64 (across the absolute position 64), 69 tokens
     (70, 72),  # a 2-token middle chunk: fewer real tokens than the conv keeps (3)
     (1, 130),  # a 1-token first chunk
-    (64, 150),  # 64-aligned first boundary, then 86 and 20 tokens
+    (64, 150),  # 64-aligned first edge, then 86 and 20 tokens
 ]
+# per chunking, (path, tokens reused) of the rows whose state ends at each edge (state_len a, then b; checkpoints
+# at p = state_len aligned down to 64, and at multiples of the stride 128 below it), then of a hit with a new
+# question on the state of b tokens
+CHUNK_PATHS = {
+    (37, 101): [("plain", 0), ("plain", 0), ("cold", 0), ("hit", 64)],
+    (70, 72): [("plain", 0), ("cold", 0), ("hit", 64), ("hit", 64)],
+    (1, 130): [("plain", 0), ("plain", 0), ("cold", 0), ("hit", 128)],
+    (64, 150): [("plain", 0), ("cold", 0), ("partial", 64), ("hit", 128)],
+}
 
 
 def _chunk_slots(s: int, e: int) -> tuple[list[int], list[int]]:
@@ -146,45 +185,65 @@ def _chunk_slots(s: int, e: int) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("pad", [False, True], ids=["exact", "padded"])
 @pytest.mark.parametrize("bounds", CHUNKINGS, ids=[f"{a}-{b}" for a, b in CHUNKINGS])
-def test_chunked_continuation_matches_transformers(case, bounds, pad):
-    ids = random_ids(N, 7, case.model.cfg.vocab_size)
-    runner = ChunkRunner(case.model, TorchKernels(), max_pos=384, span_step=64, pad=pad)
-    assert runner.pad == pad and not runner.use_graphs
-    # another row first, so the buffers hold stale state, conv inputs and K/V the reset must not let through
-    other = random_ids(200, 8, case.model.cfg.vocab_size)
-    runner.st.reset()
-    runner.run(other, 0, 200)
-
-    runner.st.reset()
+def test_growing_state_through_the_step_loop_matches_transformers(case, bounds, pad):
+    """A state that grows chunk by chunk, each row asking about its newest chunk (state [0, s), question [s, e)):
+    plain while too short to cache, then cold, then continued from the checkpoints the earlier rows planted (the
+    question's piece starting at the checkpoint and running to the row's end, of its real length or padded); then
+    a hit with a new question; then the whole row uncached with every chunk's slots (cut at its slots into pieces).
+    Another row runs first, so the runner's buffers hold stale state, conv inputs and K/V."""
+    vocab = case.model.cfg.vocab_size
+    ids = random_ids(N, 7, vocab)
+    steps = steps_over(case.model, pad=pad)
+    assert steps.runner.pad == pad
+    assert run_rows(steps, [(random_ids(200, 8, vocab), 190, [199], [5])])[0].path == "cold"
     edges = [0, *bounds, N]
+    got, all_slots, all_nopts = [], [], []
     for s, e in zip(edges[:-1], edges[1:]):
-        if pad:
-            L, _ = runner.shape(s, e)
-            assert L in runner.chunks and L >= e - s
         slots, nopts = _chunk_slots(s, e)
-        out = runner.run(ids, s, e, slots, nopts)
-        got = [out[k, :n].tolist() for k, n in enumerate(nopts)]
-        want = case.ref.answers(ids, slots, nopts)
-        d = max_abs_diff(got, want)
-        assert d < TOL, (f"{case.name}: chunk [{s}, {e}) of chunking {edges} (pad={pad}), slots {slots}: "
-                         f"max |diff| {d:.2e}")
+        (ans,) = run_rows(steps, [(ids[:e], s, slots, nopts)])
+        d = max_abs_diff(ans.probs, case.ref.answers(ids, slots, nopts))  # causal: the full row's logits serve
+        assert d < TOL, (f"{case.name}: chunk [{s}, {e}) of edges {edges} (pad={pad}), {ans.path} from "
+                         f"{ans.reused}, slots {slots}: max |diff| {d:.2e}")
+        got.append((ans.path, ans.reused))
+        all_slots += slots
+        all_nopts += nopts
+    b = bounds[1]
+    asked = ids[:b] + random_ids(30, 9, vocab)
+    slots, nopts = [b, b + 29], [4, 26]
+    (ans,) = run_rows(steps, [(asked, b, slots, nopts)])
+    got.append((ans.path, ans.reused))
+    d = max_abs_diff(ans.probs, case.ref.answers(asked, slots, nopts))
+    assert d < TOL, f"{case.name}: a hit on the state of {b} tokens (pad={pad}): max |diff| {d:.2e}"
+    assert got == CHUNK_PATHS[bounds]
+    pieces = steps.stats["pieces"]
+    (ans,) = uncached(steps, [(ids, all_slots, all_nopts)])
+    assert steps.stats["pieces"] - pieces == -(-len(all_slots) // 4)  # 8 or 9 slots, 4 a piece
+    d = max_abs_diff(ans.probs, case.ref.answers(ids, all_slots, all_nopts))
+    assert d < TOL, f"{case.name}: the whole row uncached, slots {all_slots} (pad={pad}): max |diff| {d:.2e}"
 
 
-def test_padded_state_equals_exact_state(case):
-    """After the same chunks, the padded runner's saved state (S, conv inputs, K/V of real positions) is the exact
-    runner's."""
+def test_padded_step_loop_plants_the_exact_states(case):
+    """After the same rows (a cold state, then a grown one continuing from its checkpoint), the padded step loop's
+    checkpoints (GDN states, conv tails) and group K/V are the exact one's, at the same positions."""
     ids = random_ids(N, 9, case.model.cfg.vocab_size)
-    states = []
+    rows = [(ids[:101], 70, [100], [5]), (ids, 150, [169], [7])]
+    planted = []
     for pad in (False, True):
-        runner = ChunkRunner(case.model, TorchKernels(), max_pos=384, span_step=64, pad=pad)
-        runner.st.reset()
-        for s, e in [(0, 37), (37, 39), (39, 101)]:
-            runner.run(ids, s, e)
-        states.append(runner.st)
-    a, b = states
-    for what, x, y in [("S", a.S, b.S), ("conv", a.conv, b.conv), ("K", a.K[:, :101], b.K[:, :101]),
-                       ("V", a.V[:, :101], b.V[:, :101])]:
-        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4, msg=lambda m: f"{case.name}: padded {what}: {m}")
+        steps = steps_over(case.model, pad=pad)
+        got = [run_rows(steps, [row])[0] for row in rows]
+        assert [(a.path, a.reused) for a in got] == [("cold", 0), ("partial", 64)]
+        for row, a in zip(rows, got):
+            assert max_abs_diff(a.probs, case.ref.answers(row[0], row[2], row[3])) < TOL
+        planted.append({c.pos: c for c in steps.cache.index.lru_order()})
+    exact, padded = planted
+    assert sorted(exact) == sorted(padded) == [64, 128]
+    for pos, c in exact.items():
+        p = padded[pos]
+        for what, x, y in [("conv", c.payload[0], p.payload[0]), ("S", c.payload[1], p.payload[1]),
+                           ("K", c.group.payload[0], p.group.payload[0]), ("V", c.group.payload[1], p.group.payload[1])]:
+            assert x.shape == y.shape
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"{case.name}: padded {what} at {pos}: {m}")
 
 
 @pytest.mark.parametrize("top,inner", [(False, True), (True, False)], ids=["top-untied", "top-tied"])
@@ -203,7 +262,7 @@ def test_conditional_layout_ties_by_the_top_level_flag(tmp_path, top, inner):
     assert (head.data_ptr() == embed.data_ptr()) == top  # transformers' reading
     model = Qwen35(load_weights(path, LETTERS, "cpu", torch.float32))
     row = (random_ids(90, 3), [0, 45, 89], [26, 3, 17])
-    d = max_abs_diff(PlainPath(model, TorchKernels()).forward([row])[0], ref.answers(*row))
+    d = max_abs_diff(uncached(steps_over(model), [row])[0].probs, ref.answers(*row))
     assert d < TOL, f"top-level tie {top}, text_config tie {inner}: max |diff| {d:.2e}"
 
 
@@ -296,31 +355,68 @@ def test_grouped_span_attention_matches_reference(L, P, start, Hq, Hkv):
     assert torch.allclose(got, ref, atol=1e-5)
 
 
-def test_rows_continue_from_packed_planted_states_match_transformers(case):
-    """A packed forward of two new states (and a row that plants nothing) leaves their checkpoints; rows continuing
-    from them (the same state, a grown one, one changed in the middle) answer as transformers does."""
-    from statecache.cache import CacheSettings, StateCache
-
+def test_rows_continue_from_states_planted_in_one_packed_step_match_transformers(case):
+    """Two new states (and a row too short to cache) in one step's packed forward plant their checkpoints; rows
+    continuing from them (the same state, a grown one, one changed in the middle) answer as transformers does."""
     vocab = case.model.cfg.vocab_size
-    runner = ChunkRunner(case.model, TorchKernels(), max_pos=512, span_step=64, pad=False)
-    cache = StateCache(runner, CacheSettings(min_prefix=64, stride=128, tail=16, align=64))
+    steps = steps_over(case.model)
     a, b = random_ids(200, 31, vocab), random_ids(330, 32, vocab)
-    first = [(a + random_ids(9, 33, vocab), 200), (random_ids(50, 34, vocab), None),
-             (b + random_ids(5, 35, vocab), 330)]
-    rows = [(ids, [len(ids) - 1], [5]) for ids, _ in first]
-    outs, planted = PlainPath(case.model, TorchKernels()).run(rows, [cache.plan(s) if s else None for _, s in first])
-    outs = [probs for probs, _route in outs]
-    for (ids, slots, nopts), got, (_, s), pl in zip(rows, outs, first, planted):
-        assert max_abs_diff(got, case.ref.answers(ids, slots, nopts)) < TOL
-        if s is not None:
-            cache.plant_planted(ids, len(ids), pl.snaps(), pl.K, pl.V)
+    first = [(a + random_ids(9, 33, vocab), 200), (random_ids(50, 34, vocab), 0), (b + random_ids(5, 35, vocab), 330)]
+    rows = [(ids, s, [len(ids) - 1], [5]) for ids, s in first]
+    outs = run_rows(steps, rows)
+    assert [x.path for x in outs] == ["cold", "plain", "cold"]
+    assert steps.runner.stats["sequences"] >= steps.runner.stats["forwards"] + 2  # the three shared a forward
+    for (ids, _, slots, nopts), got in zip(rows, outs):
+        assert max_abs_diff(got.probs, case.ref.answers(ids, slots, nopts)) < TOL
+    # a: p 192 and the stride's 128; b: p 320, its tail (314) aligned down, 256, and the stride's 128
+    assert sorted(c.pos for c in steps.cache.index.lru_order()) == [128, 128, 192, 256, 320]
     mid = list(b)
     mid[150] = (mid[150] + 1) % vocab
     later = [(a + random_ids(12, 36, vocab), 200, "hit", 192), (a + random_ids(76, 37, vocab), 270, "partial", 192),
              (mid + random_ids(4, 38, vocab), 330, "partial", 128), (b + random_ids(20, 39, vocab), 330, "hit", 320)]
     for ids, state_len, path, reused in later:
         slots, nopts = [state_len, len(ids) - 1], [3, 7]
-        ans = cache.row(ids, state_len, slots, nopts)
+        (ans,) = run_rows(steps, [(ids, state_len, slots, nopts)])
         assert (ans.path, ans.reused) == (path, reused)
         d = max_abs_diff(ans.probs, case.ref.answers(ids, slots, nopts))
-        assert d < TOL, f"{case.name}: {path} from a packed planted state: max |diff| {d:.2e}"
+        assert d < TOL, f"{case.name}: {path} from a state planted in a packed step: max |diff| {d:.2e}"
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    """The engine over the built-in tiny model, and transformers' model of it with the tokenizer's letters."""
+    from statecache import tiny
+    from statecache.engine import Engine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STATECACHE_HOME", str(tmp_path_factory.mktemp("home")))
+        path = tiny.tiny_model_dir()
+    eng = Engine(path, device="cpu", dtype="float32",
+                 settings=CacheSettings(mb=64, stride=128, tail=16, align=64, min_prefix=64, host_mb=0))
+    return eng, Reference(load_reference(path), list(eng.letter_ids))
+
+
+def test_engine_uncached_and_cached_answers_match_transformers(tiny_engine):
+    """The engine's own step loop on the tiny model: `uncached` (rows of different lengths, one with six slots at
+    one position, split into parts and joined) and `answer` (a new state cold, a hit with another question, a grown
+    state partial from its checkpoint) answer as transformers."""
+    eng, ref = tiny_engine
+    vocab = eng.vocab_size
+    rows = [{"ids": ids, "state_len": 0, "slots": slots, "nopts": nopts} for ids, slots, nopts in _rows(3, vocab)]
+    ids = random_ids(40, 301, vocab)
+    rows.append({"ids": ids, "state_len": 10, "slots": [39] * 6 + [20], "nopts": [2, 3, 4, 5, 6, 26, 7]})
+    split = eng.counts["split"]
+    for row, got in zip(rows, eng.uncached(rows)):
+        d = max_abs_diff(got, ref.answers(row["ids"], row["slots"], row["nopts"]))
+        assert d < TOL, f"tiny engine: uncached row (len {len(row['ids'])}, slots {row['slots']}): max |diff| {d:.2e}"
+    assert eng.counts["split"] == split + 1 and len(eng.cache.index) == 0
+    state = random_ids(250, 302, vocab)
+    cached = [(state + random_ids(20, 303, vocab), 250, "cold", 0), (state + random_ids(9, 304, vocab), 250, "hit", 192),
+              (state + random_ids(80, 305, vocab), 320, "partial", 192)]
+    for ids, state_len, path, reused in cached:
+        row = {"ids": ids, "state_len": state_len, "slots": [state_len, len(ids) - 1], "nopts": [4, 26]}
+        (res,) = eng.answer([row])
+        assert (res["path"], res["reused"]) == (path, reused), res
+        d = max_abs_diff(res["probs"], ref.answers(ids, row["slots"], row["nopts"]))
+        assert d < TOL, f"tiny engine: {path} row: max |diff| {d:.2e}"
+        assert max_abs_diff(res["probs"], eng.uncached([row])[0]) < TOL

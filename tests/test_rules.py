@@ -177,10 +177,10 @@ def test_engine_is_built_from_the_settings():
                  cold_ok="statecache.policy:PlantWhenItFits", cache_fraction=0.5)
     e = Engine.from_settings(s)
     assert (e.cache.s.mb, e.cache.s.stride, e.cache.s.max_slots, e.max_row_tokens) == (3, 1024, 2, 999)
-    assert e.budget.mb == 3 and e.cache.batch.max_batch == 4
+    assert e.budget.mb == 3 and e.runner.max_batch == 4
     assert isinstance(e.cold_ok, PlantWhenItFits) and e.cache_fraction == 0.5
-    unset = Engine.from_settings(Settings(batch=0, cache_stride=1024))  # no CACHE_MB: the budget is the device's
-    assert unset.cache.batch is None and unset.cache.s.stride == 1024 and unset.budget.mb == Engine().budget.mb
+    unset = Engine.from_settings(Settings(batch=8, cache_stride=1024))  # no CACHE_MB: the budget is the device's
+    assert unset.runner.max_batch == 8 and unset.cache.s.stride == 1024 and unset.budget.mb == Engine().budget.mb
 
 
 def test_every_row_error_code_is_in_the_protocol():

@@ -1,11 +1,14 @@
-"""Specialists (routed LoRA adapters) on the CPU in float32.
+"""Specialists (routed LoRA adapters) on the CPU in float32, through the step loop (statecache.step over the batched
+runner: a route per row, guessed, then run again with the router's route where it disagrees).
 
-- The forward with every route equals transformers' Qwen3.5 with peft (`PeftModel`, the trunk with adapters disabled)
-  within 1e-4, and the route picked equals the one computed from transformers' hidden states (tests.spec_util);
-  both checkpoint layouts (causal and conditional keys), ranks, alphas, rsLoRA, layers_to_transform varied.
-- The cached path equals the plain path (itself checked against peft) across same state, grown state, middle change
-  and evictions, with mispredictions forced; graph mode with replayed stand-in graphs (one graph for every route);
-  a property-based run over random row sequences with routes.
+- The step loop's uncached forward with every route equals transformers' Qwen3.5 with peft (`PeftModel`, the trunk
+  with adapters disabled) within 1e-4, and the route picked equals the one computed from transformers' hidden states
+  (tests.spec_util); both checkpoint layouts (causal and conditional keys), ranks, alphas, rsLoRA,
+  layers_to_transform varied. Each fused projection (`TokenRoutes`) equals peft's LoRA layers per site and route.
+- Cached rows equal the uncached step loop (itself checked against peft) across same state, grown state, middle
+  change and evictions (one tier and a host tier), with mispredictions forced; rows of several routes in one packed
+  forward, also through replayed batch graphs (one graph for any mix of routes); property-based runs over random row
+  sequences with routes.
 - Bad folders fail at start-up with a clear error; the engine and `statecache score` report routes by name.
 """
 
@@ -20,29 +23,30 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from statecache.cache import CacheSettings, StateCache
+from statecache.batch import BatchRunner, Piece
+from statecache.cache import Answer, StateCache
 from statecache.checkpoints import make_checkpoint
 from statecache.config import load_config
 from statecache.kernels import TorchKernels
 from statecache.loader import load_weights
 from statecache.model import Qwen35
-from statecache.plain import PlainPath
-from statecache.runner import ChunkRunner
-from statecache.specialists import SpecialistsError, load_specialists
+from statecache.specialists import SpecialistsError, TokenRoutes, load_specialists
 from statecache.specialists.make import make_specialists, write_router
-from tests.cache_util import LETTER_IDS, SHAPE, TOL, assert_close, down, index_bytes_recount, one_thread, toks
+from statecache.step import Steps
+from tests.cache_util import (LETTER_IDS, MAX_POS, SHAPE, TOL, assert_close, down, index_bytes_recount, one_thread,
+                              make_steps, run_rows, toks)
 from tests.oracle_util import build_checkpoint, max_abs_diff
 from tests.oracle_util import LETTERS as ORACLE_LETTERS
 from tests.spec_util import SpecReference
-from tests.test_graph_modes import fake_graphs  # noqa: F401 - the stand-in graphs fixture
 
-PADS = [pytest.param(False, id="exact"), pytest.param(True, id="padded")]
+PADS = [pytest.param(False, id="exact"), pytest.param(True, id="padded")]  # the batched runner's shapes bucketed
 ROUTES = ("trunk", "alpha", "beta", "gamma")
 # 4 layers: GDN, GDN, GDN, attention; the router reads the state entering layer 1
 ADAPTERS = {
@@ -73,16 +77,6 @@ def reference_model() -> SpecReference:
     return SpecReference(md, sd, LETTER_IDS)
 
 
-@functools.lru_cache(maxsize=1)
-def plain() -> PlainPath:
-    _, _, model, spec = world()
-    return PlainPath(model, TorchKernels(), specialists=spec)
-
-
-def plain_answer(ids, slots, nopts):
-    return plain().answer([(list(ids), list(slots), list(nopts))])[0]
-
-
 def forced_folder(route: int) -> Path:
     """A copy of the folder whose router always picks `route` (its bias dominates)."""
     _, sd, _, spec = world()
@@ -96,11 +90,67 @@ def forced_folder(route: int) -> Path:
     return out
 
 
-def make_cache(pad: bool, spec, graphs: bool | None = None, **settings) -> StateCache:
+@functools.lru_cache(maxsize=None)
+def forced_spec(route: int):
     _, _, model, _ = world()
-    runner = ChunkRunner(model, TorchKernels(), pad=pad, max_pos=1024, span_step=256, specialists=spec, graphs=graphs)
-    s = {"mb": 64, "stride": 128, "tail": 16, "align": 64, "min_prefix": 64, **settings}
-    return StateCache(runner, CacheSettings(**s))
+    return load_specialists(forced_folder(route), model.cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def runner(pad: bool = False, route: int | None = None) -> BatchRunner:
+    """The batched runner over the small model with the folder's specialists (`route`: the copy whose router always
+    picks it); eager; one per kind is enough: it keeps nothing between forwards."""
+    _, _, model, spec = world()
+    return BatchRunner(model, TorchKernels(), max_slots=4, max_batch=8, max_pos=MAX_POS, pad=pad,
+                       specialists=spec if route is None else forced_spec(route))
+
+
+def fits(ctx) -> bool:
+    """Plant every state that fits the device budget (the default policy declines states over half of it: at 1 MiB
+    that is every state here)."""
+    return ctx.state_bytes <= ctx.budget_bytes
+
+
+def steps_over(r: BatchRunner, cold_ok=None, **settings) -> Steps:
+    """tests.cache_util.make_steps over runner `r`."""
+    return make_steps(cold_ok, runner=r, **settings)
+
+
+def spec_steps(pad: bool = False, route: int | None = None, cold_ok=None, **settings) -> Steps:
+    return steps_over(runner(pad, route), cold_ok, **settings)
+
+
+@functools.lru_cache(maxsize=1)
+def _uncached_steps() -> Steps:
+    """The reference's step loop: a runner of its own (the tests count the forwards of theirs)."""
+    _, _, model, spec = world()
+    return steps_over(BatchRunner(model, TorchKernels(), max_slots=4, max_batch=8, max_pos=MAX_POS, specialists=spec),
+                      mb=0)
+
+
+def uncached(ids, slots, nopts) -> tuple[list[list[float]], int]:
+    """(probs, route) of the row run from nothing through the step loop with the folder's specialists, no cache (the
+    router as it is now: tests below force it); checked against peft by the tests of the first section."""
+    a = run_rows(_uncached_steps(), [(ids, 0, slots, nopts)], fresh=True)[0]
+    assert isinstance(a, Answer), a
+    return a.probs, a.route
+
+
+@contextlib.contextmanager
+def forwards_seen(r: BatchRunner):
+    """Records the routes of each packed forward `r` runs while inside (a list of tuples, one per forward)."""
+    seen: list[tuple] = []
+    real = r.forward
+
+    def forward(pieces):
+        seen.append(tuple(pc.route for pc in pieces))
+        return real(pieces)
+
+    r.forward = forward
+    try:
+        yield seen
+    finally:
+        del r.forward
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,38 +173,42 @@ def _rows(seed: int, k: int = 4):
 
 @pytest.mark.parametrize("route", range(len(ROUTES)))
 def test_every_route_equals_peft(route):
-    """The router forced to each route in turn: plain (packed and single) and cached answers equal PeftModel's with
-    that route's adapter (the trunk: adapters disabled)."""
-    _, _, model, _ = world()
-    spec = load_specialists(forced_folder(route), model.cfg)
+    """The router forced to each route in turn: uncached rows packed in one forward, a row alone in a padded forward,
+    and a cached row (cold, then a hit) equal PeftModel's with that route's adapter (the trunk: adapters disabled)."""
     ref = reference_model()
     rows = _rows(10 * route)
-    packed = PlainPath(model, TorchKernels(), specialists=spec).answer(rows)
-    single = PlainPath(model, TorchKernels(), specialists=spec, pad=True).answer(rows[:1])
-    for (ids, slots, nopts), (probs, r) in zip(rows, packed):
+    with forwards_seen(runner(False, route)) as seen:
+        packed = run_rows(spec_steps(route=route, mb=0), [(ids, 0, s, n) for ids, s, n in rows], fresh=True)
+    # the four rows in one forward, guessed the trunk (a fresh cache's guess), then again with the router's route
+    assert seen == [(0,) * len(rows)] + ([(route,) * len(rows)] if route else [])
+    single = run_rows(spec_steps(True, route, mb=0), [(rows[0][0], 0, rows[0][1], rows[0][2])], fresh=True)
+    for (ids, slots, nopts), a in zip(rows, packed):
         _, want = ref.answers(ids, slots, nopts, route=route)
-        assert r == route
-        assert max_abs_diff(probs, want) <= TOL
-    assert single[0][1] == route and max_abs_diff(single[0][0], packed[0][0]) <= TOL
-    cache = make_cache(False, spec)
-    ids = toks(200, 99) + toks(30, route)
-    ans = cache.row(ids, 200, [229], [5])
-    assert ans.route == route
-    assert max_abs_diff(ans.probs, ref.answers(ids, [229], [5], route=route)[1]) <= TOL
+        assert a.route == route and a.path == "plain"
+        assert max_abs_diff(a.probs, want) <= TOL
+    assert single[0].route == route and max_abs_diff(single[0].probs, packed[0].probs) <= TOL
+    steps = spec_steps(route=route)
+    S = toks(200, 99)
+    for q, path in ((toks(30, route), "cold"), (toks(25, 50 + route), "hit")):
+        ids = S + q
+        ans = run_rows(steps, [(ids, 200, [len(ids) - 1], [5])])[0]
+        assert ans.route == route and ans.path == path
+        assert max_abs_diff(ans.probs, ref.answers(ids, [len(ids) - 1], [5], route=route)[1]) <= TOL
 
 
 def test_router_picks_the_references_route():
-    """The folder's own router over rows of random tokens: the route (and answer) equal the reference's, and the
-    rows do not all take one route (else this test would show little)."""
+    """The folder's own router over rows of random tokens, run uncached together (each guessed, run again where the
+    router disagrees): the route (and answer) equal the reference's, and the rows do not all take one route (else
+    this test would show little)."""
     ref = reference_model()
     rows = _rows(500, k=10)
-    got = plain().answer(rows)
+    got = run_rows(spec_steps(mb=0), [(ids, 0, s, n) for ids, s, n in rows], fresh=True)
     seen = set()
-    for (ids, slots, nopts), (probs, r) in zip(rows, got):
+    for (ids, slots, nopts), a in zip(rows, got):
         want_r, want = ref.answers(ids, slots, nopts)
-        assert r == want_r
-        assert max_abs_diff(probs, want) <= TOL
-        seen.add(r)
+        assert a.route == want_r
+        assert max_abs_diff(a.probs, want) <= TOL
+        seen.add(a.route)
     assert len(seen) >= 2, seen
 
 
@@ -170,25 +224,29 @@ def test_conditional_layout_keys(tmp_path):
     model = Qwen35(load_weights(md, ORACLE_LETTERS, "cpu", torch.float32))
     ref = SpecReference(md, sd, ORACLE_LETTERS)
     rows = [(toks(50, s), [49, 20], [4, 2]) for s in range(3)]
-    for (ids, slots, nopts), (probs, r) in zip(rows, PlainPath(model, TorchKernels(), specialists=spec).answer(rows)):
+    r = BatchRunner(model, TorchKernels(), max_slots=4, max_batch=4, max_pos=MAX_POS, specialists=spec)
+    got = run_rows(steps_over(r, mb=0), [(ids, 0, s, n) for ids, s, n in rows], fresh=True)
+    for (ids, slots, nopts), a in zip(rows, got):
         want_r, want = ref.answers(ids, slots, nopts)
-        assert r == want_r and max_abs_diff(probs, want) <= TOL
+        assert a.route == want_r and max_abs_diff(a.probs, want) <= TOL
 
 
 def test_trunk_is_exactly_the_model_without_specialists():
     """Route 0 adds exact zeros: answers equal the forward without specialists bit for bit."""
     _, _, model, _ = world()
-    spec = load_specialists(forced_folder(0), model.cfg)
-    rows = _rows(7)
-    with_spec = [p for p, _ in PlainPath(model, TorchKernels(), specialists=spec).answer(rows)]
-    assert with_spec == PlainPath(model, TorchKernels()).forward(rows)
+    rows = [(ids, 0, s, n) for ids, s, n in _rows(7)]
+    with_spec = run_rows(spec_steps(route=0, mb=0), rows, fresh=True)
+    assert all(a.route == 0 for a in with_spec)
+    trunk = BatchRunner(model, TorchKernels(), max_slots=4, max_batch=8, max_pos=MAX_POS)
+    without = run_rows(steps_over(trunk, mb=0), rows, fresh=True)
+    assert [a.probs for a in with_spec] == [a.probs for a in without]
 
 
 # ---- the cached path ---------------------------------------------------------------------------------------------------
 
 
 class Guesses:
-    """A forced guess sequence for `StateCache.guess` (None: the cache's own rule)."""
+    """A forced guess for `StateCache.guess` (None: the cache's own rule)."""
 
     def __init__(self, cache: StateCache):
         self.cache, self.own, self.next = cache, cache.guess, None
@@ -199,23 +257,33 @@ class Guesses:
         return self.own(best) if g is None else g
 
 
-def ask(cache: StateCache, ids, state_len, slots, nopts, guess=None):
-    """cache.row, checked against the plain path with specialists: answer, route, bookkeeping."""
-    forcer = cache.guess if isinstance(cache.guess, Guesses) else Guesses(cache)
-    forcer.next = guess
-    before = cache.stats["mispredict"]
-    ans = cache.row(ids, state_len, slots, nopts)
-    assert ans is not None
-    probs, route = plain_answer(ids, slots, nopts)
-    assert ans.route == route
-    assert_close(ans.probs, probs)
-    if guess is not None:
-        assert cache.stats["mispredict"] - before == int(guess != route)
-    p = down(state_len)
-    assert 0 <= ans.reused <= p and ans.computed >= len(ids) - ans.reused
+def check(steps: Steps, rows, answers) -> None:
+    """Each answer equals the uncached step loop's (answer and route), its bookkeeping sound; the cache's bytes
+    recount and within budget; every checkpoint carries a feature sum."""
+    cache = steps.cache
+    for (ids, state_len, slots, nopts), a in zip(rows, answers):
+        assert isinstance(a, Answer), a
+        probs, route = uncached(ids, slots, nopts)
+        assert a.route == route
+        assert_close(a.probs, probs)
+        assert 0 <= a.reused <= down(state_len) and a.computed >= len(ids) - a.reused
     assert cache.index.bytes == index_bytes_recount(cache) <= cache.index.budget_bytes
     for c in cache.index.lru_order():  # a checkpoint's feature sum is over its own tokens
         assert c.payload[2].shape == (SHAPE["hidden_size"],)
+
+
+def ask(steps: Steps, ids, state_len, slots, nopts, guess=None) -> Answer:
+    """One row through the cached step loop with its first guess forced (None: the cache's own), checked against the
+    uncached step loop: answer, route, bookkeeping (a wrong forced guess is exactly one misprediction)."""
+    cache = steps.cache
+    forcer = cache.guess if isinstance(cache.guess, Guesses) else Guesses(cache)
+    forcer.next = guess
+    before = cache.stats["mispredict"]
+    ans = run_rows(steps, [(ids, state_len, slots, nopts)])[0]
+    forcer.next = None
+    check(steps, [(ids, state_len, slots, nopts)], [ans])
+    if guess is not None:
+        assert cache.stats["mispredict"] - before == int(guess != ans.route)
     return ans
 
 
@@ -225,23 +293,24 @@ def _wrong(route: int) -> int:
 
 @pytest.mark.parametrize("pad", PADS)
 def test_cached_patterns_with_mispredictions(pad):
-    _, _, _, spec = world()
-    cache = make_cache(pad, spec)
+    steps = spec_steps(pad)
+    cache = steps.cache
     A = toks(300, 1)
     q = [toks(12 + 3 * k, 100 + k) for k in range(8)]
-    # a new state, guessed wrong (the trunk guess of a fresh cache, or forced)
-    a0 = ask(cache, A + q[0], 300, [311], [4])
+    # a new state, guessed the trunk (a fresh cache's guess): a misprediction runs again with the router's route,
+    # the first run's checkpoints kept under the trunk
+    a0 = ask(steps, A + q[0], 300, [311], [4])
     r0 = a0.route
-    assert {c.route for c in cache.index.lru_order()} == {r0}
+    assert {c.route for c in cache.index.lru_order()} == {0, r0}
     # same state: right guess (its checkpoint's route) when the question keeps the route; forced wrong guess
-    a1 = ask(cache, A + q[1], 300, [300 + len(q[1]) - 1], [3], guess=_wrong(r0))
+    a1 = ask(steps, A + q[1], 300, [300 + len(q[1]) - 1], [3], guess=_wrong(r0))
     assert a1.path == "hit" or a1.route != r0
-    ask(cache, A + q[2], 300, [300 + len(q[2]) - 1], [5], guess=r0)
+    ask(steps, A + q[2], 300, [300 + len(q[2]) - 1], [5], guess=r0)
     # grown state, then a middle change (a new page after the same first 128 tokens)
     G = A + toks(40, 2)
-    ask(cache, G + q[3], 340, [340 + len(q[3]) - 1], [4], guess=_wrong(r0))
+    ask(steps, G + q[3], 340, [340 + len(q[3]) - 1], [4], guess=_wrong(r0))
     M = A[:150] + toks(180, 3)
-    am = ask(cache, M + q[4], 330, [330 + len(q[4]) - 1], [4])
+    am = ask(steps, M + q[4], 330, [330 + len(q[4]) - 1], [4])
     assert am.reused in (0, 128)  # the stride checkpoint at 128, when one of this row's route exists
     assert cache.stats["mispredict"] >= 1
     # every route's checkpoints live side by side: lookups by route find their own
@@ -254,119 +323,16 @@ def test_cached_patterns_with_mispredictions(pad):
 def test_evictions_with_routes(pad, host_mb):
     """A budget of 1 MiB holds a few states: rows of several agents interleaved, guesses forced wrong half the time
     (with a 4 MiB host tier: checkpoints of routes go to the host and come back)."""
-    _, _, _, spec = world()
-    cache = make_cache(pad, spec, mb=1, host_mb=host_mb)
+    steps = spec_steps(pad, cold_ok=fits, mb=1, host_mb=host_mb)
+    cache = steps.cache
     states = [toks(260 + 20 * k, 10 + k) for k in range(4)]
     for step in range(10):
         S = states[step % 4]
         qq = toks(10 + step, 200 + step)
-        ask(cache, S + qq, len(S), [len(S) + len(qq) - 1], [4], guess=(step % len(ROUTES)) if step % 2 else None)
+        ask(steps, S + qq, len(S), [len(S) + len(qq) - 1], [4], guess=(step % len(ROUTES)) if step % 2 else None)
         assert cache.index.bytes <= cache.index.budget_bytes and cache.index.host_bytes <= cache.index.host_budget_bytes
     assert (cache.stats["evicted"] if host_mb == 0 else cache.index.counts["demoted"]) > 0
     assert (cache.stats["restored_host"] > 0) == (host_mb > 0)
-
-
-def test_one_graph_serves_every_route(fake_graphs):  # noqa: F811
-    """Graph mode (replayed stand-in graphs): rows of different routes and mispredictions reuse the same graphs."""
-    _, _, _, spec = world()
-    cache = make_cache(True, spec, graphs=True)
-    A = toks(300, 5)
-    routes = set()
-    for k in range(6):
-        qq = toks(14, 300 + k)
-        routes.add(ask(cache, A + qq, 300, [313], [4], guess=k % len(ROUTES)).route)
-    keys = [k for k, g in cache.runner.graphs.items() if g is not None]
-    assert len(keys) == len(set(keys)) and all(len(k) == 2 for k in keys)  # keyed by (chunk, span) only
-    assert cache.stats["mispredict"] >= 1
-
-
-@pytest.fixture
-def gpu_like_graphs(monkeypatch):
-    """Stand-in graphs whose replay, like a CUDA graph's, runs no Python: the captured function re-runs for its
-    tensors' effects, then the specialists' host bookkeeping (which route B_fixed holds) is put back as it was."""
-    from statecache import graphs as graphs_mod
-
-    _, _, _, spec = world()
-    lora = spec.lora
-
-    class Replay:
-        def __init__(self, fn, out):
-            self.fn, self.out = fn, out
-
-        def replay(self):
-            seen = lora.fixed_route, lora.fixed_owner
-            self.out.copy_(self.fn())
-            lora.fixed_route, lora.fixed_owner = seen
-
-    def capture(fn, pool, warmup=2):
-        for _ in range(warmup):
-            fn()
-        out = fn()
-        return Replay(fn, out), out
-
-    monkeypatch.setattr(graphs_mod, "capture", capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-
-
-def test_hits_mask_the_adapters_only_when_the_route_changes(gpu_like_graphs, monkeypatch):
-    """The chunk runner's graphs do not mask B_fixed: it is masked before a run, outside the graph, only when the
-    route differs from the one it holds, so a hit of the same route as the last forward masks nothing (and every
-    route's hit does the same host work); the answers stay the plain path's."""
-    from statecache.specialists.lora import StackedLora
-
-    _, _, _, spec = world()
-    masks = []  # each mask's host-known route (None: known on the device only)
-    real = StackedLora.mask_route
-
-    def counted(self, route, owner, known=None):
-        masks.append(known)
-        real(self, route, owner, known)
-    monkeypatch.setattr(StackedLora, "mask_route", counted)
-    cache = make_cache(True, spec, graphs=True)
-    A = toks(300, 21)
-    qs = [toks(14, 400 + k) for k in range(6)]
-    for r in (2, 0):
-        with router_forced(spec, r):
-            cache.clear()
-            assert ask(cache, A + qs[0], 300, [313], [4], guess=r).path == "cold"
-            del masks[:]  # ask's plain reference masks too (in its own forward)
-            probs = [plain_answer(A + q, [313], [4]) for q in qs[1:4]]
-            del masks[:]
-            for q, (want, route) in zip(qs[1:4], probs):
-                ans = cache.row(A + q, 300, [313], [4])
-                assert ans.path == "hit" and ans.route == route == r
-                assert_close(ans.probs, want)
-            assert masks == [r]  # the first hit after the plain reference's forwards; then none
-            for q in qs[4:]:
-                assert cache.row(A + q, 300, [313], [4]).path == "hit"
-            assert masks == [r]
-
-
-def test_a_lone_plain_graph_between_hits_makes_the_next_hit_mask(gpu_like_graphs):
-    """A lone plain row's graph masks B_fixed with its own route inside the replay, unseen by the host: the plain
-    path forgets the held route, so the next hit masks its route again instead of reading the plain row's."""
-    _, _, model, spec = world()
-    cache = make_cache(True, spec, graphs=True)
-    lone = PlainPath(model, TorchKernels(), graphs=True, specialists=spec)
-    A = toks(300, 22)
-    row = toks(40, 23)
-    with router_forced(spec, 3):  # the lone row's graph captured now: below it is only replayed
-        assert lone.answer([(row, [39], [4])])[0][1] == 3
-        assert list(lone.graphs) == [(64, 4)] and lone.graphs[(64, 4)] is not None
-    with router_forced(spec, 1):
-        want = [plain_answer(A + toks(14, 500 + k), [313], [4]) for k in range(2)]
-        assert cache.row(A + toks(14, 499), 300, [313], [4]).route == 1
-        ans = cache.row(A + toks(14, 500), 300, [313], [4])
-        assert ans.path == "hit" and spec.lora.fixed_route == 1
-        assert_close(ans.probs, want[0][0])
-    with router_forced(spec, 3):
-        assert lone.answer([(row, [39], [4])])[0][1] == 3  # one replay, masking route 3 unseen
-    assert spec.lora.fixed_route is None
-    with router_forced(spec, 1):
-        ans = cache.row(A + toks(14, 501), 300, [313], [4])
-        assert ans.path == "hit" and ans.route == 1
-        assert_close(ans.probs, want[1][0])
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -374,8 +340,7 @@ def test_a_lone_plain_graph_between_hits_makes_the_next_hit_mask(gpu_like_graphs
                               st.one_of(st.none(), st.integers(0, len(ROUTES) - 1))), min_size=3, max_size=6),
        pad=st.booleans(), mb=st.sampled_from([1, 64]))
 def test_random_row_sequences_with_routes(ops, pad, mb):
-    _, _, _, spec = world()
-    cache = make_cache(pad, spec, mb=mb)
+    steps = spec_steps(pad, cold_ok=fits, mb=mb)
     state = toks(260, 0)
     for op, seed, guess in ops:
         if op == "new":
@@ -388,24 +353,15 @@ def test_random_row_sequences_with_routes(ops, pad, mb):
         state = state[:500]
         qq = toks(5 + seed % 25, seed + 1)
         n = len(state) + len(qq)
-        ask(cache, state + qq, len(state), [n - 1], [2 + seed % 5], guess=guess)
+        ask(steps, state + qq, len(state), [n - 1], [2 + seed % 5], guess=guess)
 
 
-# ---- batched continuations with routes -------------------------------------------------------------------------------
-
-
-def batch_cache(pad: bool, spec, **settings) -> StateCache:
-    from statecache.batch import BatchRunner
-
-    _, _, model, _ = world()
-    cache = make_cache(pad, spec, **settings)
-    cache.batch = BatchRunner(model, TorchKernels(), max_batch=4, pad=pad, max_pos=1024, specialists=spec)
-    return cache
+# ---- rows of several routes in one step ------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
 def router_forced(spec, route: int):
-    """The router picks `route` for every row while inside (its bias dominates); the plain reference follows."""
+    """The router picks `route` for every row while inside (its bias dominates); the uncached reference follows."""
     bias = spec.router.bias.clone()
     spec.router.bias[route] = 1e4
     try:
@@ -417,13 +373,13 @@ def router_forced(spec, route: int):
 @contextlib.contextmanager
 def router_by_state(spec, states):
     """The router picks route k for rows whose state is states[k] (their mean feature is nearest that state's;
-    a short question does not move it): the weights are the states' centred mean features. The plain reference
+    a short question does not move it): the weights are the states' centred mean features. The uncached reference
     follows."""
-    probe = make_cache(False, spec)
+    probe = spec_steps()
     means = []
     for k, S in enumerate(states):
         ask(probe, S + toks(3, 990 + k), len(S), [len(S) + 2], [2])
-        c = probe.index.lookup(S, limit=down(len(S)))
+        c = probe.cache.index.lookup(S, limit=down(len(S)))
         means.append(c.payload[2] / c.pos)
     m = torch.stack(means)
     d = m - m.mean(0)
@@ -439,123 +395,127 @@ def router_by_state(spec, states):
         spec.router.bias.copy_(bias)
 
 
-def check_batched(cache, rows, answers):
-    for (ids, state_len, slots, nopts), a in zip(rows, answers):
-        assert a is not None
-        probs, route = plain_answer(ids, slots, nopts)
-        assert a.route == route
-        assert_close(a.probs, probs)
-        assert 0 <= a.reused <= down(state_len) and a.computed >= len(ids) - a.reused
-    assert cache.index.bytes == index_bytes_recount(cache) <= cache.index.budget_bytes
-    for c in cache.index.lru_order():
-        assert c.payload[2].shape == (SHAPE["hidden_size"],)
-
-
-def mispredictions(cache, rows) -> int:
-    """The rows whose router disagrees with the route of the checkpoint a batched call continues them from."""
-    out = 0
-    for ids, state_len, slots, nopts in rows:
-        best = cache.index.lookup(ids, limit=down(state_len))
-        out += best is not None and best.route != plain_answer(ids, slots, nopts)[1]
+def guessed(steps: Steps, rows) -> list[int]:
+    """The route each row's first run takes when the rows are added together now: its deepest checkpoint's (any
+    route), else the last answered row's (StateCache.guess)."""
+    cache = steps.cache
+    out = []
+    for ids, state_len, _, _ in rows:
+        best = cache.index.lookup(ids, limit=cache.state_end(state_len))
+        out.append(cache.guess(best))
     return out
 
 
+def mispredictions(steps: Steps, rows) -> int:
+    """The rows whose router disagrees with the route their first run takes."""
+    return sum(g != uncached(ids, slots, nopts)[1] for g, (ids, _, slots, nopts) in zip(guessed(steps, rows), rows))
+
+
+def stepped(steps: Steps, rows) -> tuple[list[Answer], list[tuple]]:
+    """Rows added together and stepped to their end, checked against the uncached step loop -> (their answers, the
+    routes of each packed forward they ran in)."""
+    with forwards_seen(steps.runner) as seen:
+        answers = run_rows(steps, rows)
+    check(steps, rows, answers)
+    return answers, seen
+
+
 @pytest.mark.parametrize("pad", PADS)
-def test_batched_rows_of_mixed_routes(pad):
-    """Hits and grown states of states planted under different routes run in one batched forward (a route per
-    sequence), equal the plain path with specialists; the grown states plant checkpoints whose feature sums let
-    later rows continue exactly; a forced misprediction runs again with the router's route."""
+def test_rows_of_mixed_routes_in_one_forward(pad):
+    """Hits and grown states of states planted under different routes run in one packed forward (a route per
+    sequence), equal the uncached step loop; the grown states plant checkpoints whose feature sums let later rows
+    continue exactly; a misprediction runs again with the router's route."""
     _, _, _, spec = world()
-    cache = batch_cache(pad, spec)
+    steps = spec_steps(pad)
+    cache = steps.cache
     states = [toks(200 + 40 * k, 70 + k) for k in range(4)]
     planted = []
     for k, S in enumerate(states):  # each state planted under the route its router picks, forced apart
         with router_forced(spec, k):
-            planted.append(ask(cache, S + toks(9, 80 + k), len(S), [len(S) + 8], [4]).route)
+            planted.append(ask(steps, S + toks(9, 80 + k), len(S), [len(S) + 8], [4]).route)
     assert planted == [0, 1, 2, 3]
     grown = states[1] + toks(150, 90)  # 64-aligned end 384 from the checkpoint at 192: more than a piece
     rows = [(S + toks(11 + k, 100 + k), len(S), [len(S) + 10 + k], [3 + k]) for k, S in enumerate(states)]
     rows.append((grown + toks(7, 110), len(grown), [len(grown) + 6, len(grown) + 2], [4, 5]))
-    forwards, mis, want = cache.batch.stats["forwards"], cache.stats["mispredict"], mispredictions(cache, rows)
-    answers = cache.rows_batched(rows)
-    check_batched(cache, rows, answers)
-    assert cache.batch.stats["forwards"] > forwards
+    mis, want, first = cache.stats["mispredict"], mispredictions(steps, rows), guessed(steps, rows)
+    _, seen = stepped(steps, rows)
     assert cache.stats["mispredict"] - mis == want
-    # routes by state: every row keeps the route of its checkpoint, several routes in one forward
+    assert len(set(first)) >= 2 and any(len(set(f)) >= 2 for f in seen)  # several routes in one forward
+    # routes by state: every row keeps the route of its checkpoint, four routes in one forward
     fresh = [toks(200 + 30 * k, 140 + k) for k in range(4)]
     with router_by_state(spec, fresh):
         for k, S in enumerate(fresh):
-            assert ask(cache, S + toks(9, 145 + k), len(S), [len(S) + 8], [4]).route == k
+            assert ask(steps, S + toks(9, 145 + k), len(S), [len(S) + 8], [4], guess=k).route == k
         rows3 = [(S + toks(20 - 3 * k, 150 + k), len(S), [len(S) + 19 - 3 * k], [2 + k]) for k, S in enumerate(fresh)]
         mis = cache.stats["mispredict"]
-        answers = cache.rows_batched(rows3)
-        check_batched(cache, rows3, answers)
+        answers, seen = stepped(steps, rows3)
         assert [a.route for a in answers] == [0, 1, 2, 3] and [a.path for a in answers] == ["hit"] * 4
         assert cache.stats["mispredict"] == mis
-    # a state grown by more than a piece, its route kept (no misprediction: the batched run plants): its new
-    # checkpoint carries the feature sum over [0, 384) that the one-at-a-time path plants
+        assert seen == [(0, 1, 2, 3)]  # one forward, a route per sequence
+    # a state grown by more than a piece, its route kept (no misprediction): its new checkpoint carries the feature
+    # sum over [0, 384) that a row planting it alone plants
     grown = states[2] + toks(120, 91)  # 384 from the checkpoint at 256
     with router_forced(spec, 2):
         row = (grown + toks(7, 111), len(grown), [len(grown) + 6], [4])
         mis = cache.stats["mispredict"]
-        check_batched(cache, [row], cache.rows_batched([row]))
+        stepped(steps, [row])
         assert cache.stats["mispredict"] == mis
-    c = cache.index.lookup(grown, limit=down(len(grown)))
-    alone = make_cache(pad, spec)
-    ask(alone, grown + toks(7, 110), len(grown), [len(grown) + 6], [4])
-    c1 = alone.index.lookup(grown, limit=down(len(grown)))
+    c = cache.index.lookup(grown, limit=down(len(grown)), route=2)
+    alone = spec_steps(pad)
+    with router_forced(spec, 2):
+        ask(alone, grown + toks(7, 110), len(grown), [len(grown) + 6], [4], guess=2)
+    c1 = alone.cache.index.lookup(grown, limit=down(len(grown)), route=2)
     assert c.pos == c1.pos == 384 and (c.payload[2] - c1.payload[2]).abs().max() <= 1e-3
-    # a hit on it equals the plain path
-    again = [(grown + toks(13, 120), len(grown), [len(grown) + 12], [4])]
-    check_batched(cache, again, cache.rows_batched(again))
-    # every row forced to route 2: the other routes' checkpoints mispredict, each runs again with route 2
+    # a hit on it equals the uncached step loop
+    with router_forced(spec, 2):
+        assert stepped(steps, [(grown + toks(13, 120), len(grown), [len(grown) + 12], [4])])[0][0].path == "hit"
+    # every row forced to route 2: the rows guessing another route mispredict, each runs again with route 2
     with router_forced(spec, 2):
         rows2 = [(S + toks(15, 130 + k), len(S), [len(S) + 14], [4]) for k, S in enumerate(states)]
-        mis, want = cache.stats["mispredict"], mispredictions(cache, rows2)
-        answers = cache.rows_batched(rows2)
-        check_batched(cache, rows2, answers)
+        first = guessed(steps, rows2)
+        mis, want = cache.stats["mispredict"], mispredictions(steps, rows2)
+        answers, _ = stepped(steps, rows2)
         assert [a.route for a in answers] == [2] * 4
-        assert want >= 1 and cache.stats["mispredict"] - mis == want
-        assert answers[2].path == "hit" and answers[0].computed > len(rows2[0][0]) - answers[0].reused
+        assert want == sum(g != 2 for g in first) >= 1 and cache.stats["mispredict"] - mis == want
+        for g, (ids, _, _, _), a in zip(first, rows2, answers):
+            if g != 2:  # both runs' tokens counted
+                assert a.computed > len(ids) - a.reused
 
 
 def test_one_batch_graph_serves_any_mix_of_routes(monkeypatch):
     """Graph mode (stand-in graphs replaying the Triton batch kernels in the interpreter): the routes and sequence
     indices are graph inputs, so graphs captured with empty sequences answer rows of several routes at once."""
-    from statecache.batch import BatchRunner
     from tests.triton_interp import batch_graphs_in_interpreter
 
     batch_graphs_in_interpreter(monkeypatch)
     _, _, model, spec = world()
-    cache = make_cache(True, spec)
-    runner = BatchRunner(model, TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=1024, tokens=(64, 128),
-                         specialists=spec)
-    runner.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid
-    cache.batch = runner
+    r = BatchRunner(model, TorchKernels(), max_slots=4, max_batch=4, graphs=True, triton=True, max_pos=MAX_POS,
+                    tokens=(64, 128), max_piece=128, specialists=spec)
+    r.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid
+    steps = steps_over(r)
     states = [toks(270 + 10 * k, 160 + k) for k in range(3)]
     rows = [(S + toks(6 + 3 * k, 180 + k), len(S), [len(S) + 5 + 3 * k], [3 + k]) for k, S in enumerate(states)]
     with router_by_state(spec, states):  # state k takes route k: one forward of three routes, none mispredicted
         for k, S in enumerate(states):
-            assert ask(cache, S + toks(5, 170 + k), len(S), [len(S) + 4], [4]).route == k
-        mis = cache.stats["mispredict"]
-        answers = cache.rows_batched(rows)
-        check_batched(cache, rows, answers)
+            assert ask(steps, S + toks(5, 170 + k), len(S), [len(S) + 4], [4], guess=k).route == k
+        mis = steps.cache.stats["mispredict"]
+        answers, seen = stepped(steps, rows)
         assert [a.route for a in answers] == [0, 1, 2] and [a.path for a in answers] == ["hit"] * 3
-        assert cache.stats["mispredict"] == mis
+        assert steps.cache.stats["mispredict"] == mis and seen == [(0, 1, 2)]
     with router_forced(spec, 2):  # every row forced to route 2: the others mispredict and run again
-        check_batched(cache, rows, cache.rows_batched(rows))
-    replayed = [k for k, g in runner.graphs.items() if g is not None and g.graph.replays]
-    assert replayed and all(k[0] <= 4 for k in replayed) and runner.stats["forwards"] >= 2
+        stepped(steps, rows)
+    replayed = [k for k, g in r.graphs.items() if g is not None and g.graph.replays]
+    assert replayed and all(k[0] <= 4 for k in replayed) and r.stats["forwards"] >= 2
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
-def test_random_batched_mixes_with_routes(data):
-    """Agents whose states repeat, grow or are new, each round batched where rows continue from saved states and
-    one at a time otherwise (as the engine does), a small budget evicting between rounds; every answer equals the
-    plain path with specialists."""
+def test_random_mixes_with_routes(data):
+    """Agents whose states repeat, grow or are new, each round's rows stepped together, a small budget evicting
+    between rounds, the router sometimes forced to one route (the others' checkpoints mispredict); every answer
+    equals the uncached step loop with specialists."""
     _, _, _, spec = world()
-    cache = batch_cache(data.draw(st.booleans()), spec, mb=data.draw(st.sampled_from([1, 64])))
+    steps = spec_steps(data.draw(st.booleans()), cold_ok=fits, mb=data.draw(st.sampled_from([1, 64])))
     states = [toks(data.draw(st.integers(200, 300)), 400 + a) for a in range(3)]
     seed = 0
     for _ in range(data.draw(st.integers(2, 3))):
@@ -572,17 +532,16 @@ def test_random_batched_mixes_with_routes(data):
             rows.append((S + q, len(S), [len(S) + len(q) - 1], [2 + seed % 5]))
         forced = data.draw(st.one_of(st.none(), st.integers(0, len(ROUTES) - 1)))
         with router_forced(spec, forced) if forced is not None else contextlib.nullcontext():
-            answers = cache.rows_batched(rows)
-            for row, a in zip(rows, answers):
-                if a is None:  # no checkpoint to continue from: one at a time, as the engine does
-                    a = ask(cache, *row)
-                check_batched(cache, [row], [a])
+            stepped(steps, rows)
 
 
 # ---- the engine, the CLI, bad folders ----------------------------------------------------------------------------------
 
 
 def test_engine_and_score_report_routes(monkeypatch, capsys):
+    """The engine with the tiny model's specialists: cached rows (cold, then hits continuing from the state, each
+    with its checkpoint's route) and a short row the cache does not take answer and route as peft, as does
+    `eng.uncached`; `statecache score` reports the routes by name."""
     from statecache.cli import main
     from statecache.engine import Engine
     from statecache.tiny import tiny_model_dir, tiny_specialists_dir
@@ -592,7 +551,7 @@ def test_engine_and_score_report_routes(monkeypatch, capsys):
     assert len(names) == 3
     S = toks(300, 41)
     rows = [{"ids": S + toks(10 + k, 50 + k), "state_len": 300, "slots": [309 + k], "nopts": [4]} for k in range(4)]
-    rows.append({"ids": toks(40, 60), "state_len": 30, "slots": [39], "nopts": [3]})  # plain path
+    rows.append({"ids": toks(40, 60), "state_len": 30, "slots": [39], "nopts": [3]})  # too short for the cache
     eng = Engine(tiny_model_dir(), "cpu", "float32", specialists=sd)
     ref = SpecReference(tiny_model_dir(), sd, eng.letter_ids)
     res = eng.answer(rows)
@@ -600,15 +559,16 @@ def test_engine_and_score_report_routes(monkeypatch, capsys):
         want_r, want = ref.answers(r["ids"], r["slots"], r["nopts"])
         assert out["route"] == names[want_r] and max_abs_diff(out["probs"], want) <= TOL
     assert [x["path"] for x in res] == ["cold", "hit", "hit", "hit", "plain"]
+    for r, probs in zip(rows, eng.uncached(rows)):
+        assert max_abs_diff(probs, ref.answers(r["ids"], r["slots"], r["nopts"])[1]) <= TOL
     assert eng.answer(rows[:1])[0]["route"] == res[0]["route"]  # the memo keeps the route
-    # the state's later rows continue from it in the step loop's packed forwards, each with its checkpoint's route
+    # the state's later rows continue from it in one step, each with its checkpoint's route
     more = [{"ids": S + toks(12 + k, 70 + k), "state_len": 300, "slots": [311 + k], "nopts": [3]} for k in range(3)]
-    stepped = eng.phases["step_rows"]
+    stepped_rows = eng.phases["step_rows"]
     for r, out in zip(more, eng.answer(more)):
         want_r, want = ref.answers(r["ids"], r["slots"], r["nopts"])
         assert out["route"] == names[want_r] and max_abs_diff(out["probs"], want) <= TOL
-    assert eng.phases["step_rows"] - stepped == 3
-    assert eng.phases["batched_rows"] == eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0
+    assert eng.phases["step_rows"] - stepped_rows == 3
     assert "mispredict" in eng.stats() and eng.stats()["specialists"]["routes"] == names
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(json.dumps(r) for r in rows[:2]) + "\n"))
     assert main(["score", "--device", "cpu", "--dtype", "float32", "--specialists", str(sd)]) == 0
@@ -697,28 +657,33 @@ def test_engine_refuses_a_bad_folder_at_start_up(tmp_path, monkeypatch, capsys):
     assert "no router.json" in capsys.readouterr().err
 
 
-def test_token_routes_equal_fixed_routes_per_row():
-    """Two rows of different routes packed in one forward with a per-token route index (batched hits' form) equal
-    each row run alone with its route fixed."""
-    from statecache.mixers import PackedMixer
-    from statecache.specialists import FixedRoute, TokenRoutes
+@pytest.mark.parametrize("pad", PADS)
+def test_token_routes_equal_each_row_alone(pad):
+    """Two rows of different routes packed in one batched forward with a per-token route index (TokenRoutes) equal
+    each row run alone in a forward of its own: their answers and the router's feature sums (padded: the padding
+    tokens' route and sum go nowhere); the adapters act."""
+    r = runner(pad)
+    conv0, S0 = torch.zeros_like(r.st.conv[:, 0]), torch.zeros_like(r.st.S[:, 0])
 
-    _, _, model, spec = world()
-    k = TorchKernels()
-    a, b = toks(50, 1), toks(37, 2)
-    alone = []
-    for ids, r in ((a, 1), (b, 3)):
+    def piece(ids, route):
         n = len(ids)
-        mix = PackedMixer(k, torch.tensor([0, n], dtype=torch.int32), n)
-        alone.append(model.body(torch.tensor(ids), torch.arange(n), mix, FixedRoute(spec.lora, spec.router, torch.tensor([r]))))
-    n = len(a) + len(b)
-    mix = PackedMixer(k, torch.tensor([0, len(a), n], dtype=torch.int32), len(a))
-    tok = torch.tensor([1] * len(a) + [3] * len(b))
-    both = model.body(torch.tensor(a + b), torch.cat([torch.arange(len(a)), torch.arange(len(b))]), mix,
-                      TokenRoutes(spec.lora, spec.router, tok))
-    assert (both - torch.cat(alone)).abs().max() <= 1e-4
-    trunk = model.body(torch.tensor(a), torch.arange(len(a)), PackedMixer(k, torch.tensor([0, len(a)], dtype=torch.int32), len(a)))
-    assert (trunk - alone[0]).abs().max() > 1e-3  # the adapter does something
+        return Piece(np.asarray(ids, dtype=np.int64), 0, n, conv0, S0, None, None, (n - 1, n // 2, 5), (4, 3, 6),
+                     route)
+
+    def run(pieces):
+        r.ensure_pieces(pieces)
+        r.load(pieces)
+        probs = r.read(r.forward(pieces)).clone()
+        return probs, r.st.F[: len(pieces)].clone()
+
+    a, b = toks(50, 1), toks(37, 2)
+    alone = [run([piece(ids, k)]) for ids, k in ((a, 1), (b, 3))]
+    both, F = run([piece(a, 1), piece(b, 3)])
+    for j, (p, f) in enumerate(alone):
+        assert (both[j, :3] - p[0, :3]).abs().max() <= 1e-5  # the three slots (the fourth is padding)
+        assert (F[j] - f[0]).abs().max() <= 1e-3
+    trunk, _ = run([piece(a, 0)])
+    assert (trunk[0, :3] - alone[0][0][0, :3]).abs().max() > 1e-3  # the adapter does something
 
 
 def test_an_adapter_folder_that_is_no_route_is_reported(tmp_path, caplog):
@@ -749,11 +714,13 @@ def _peft_site(ref: SpecReference, cfg, i: int, site: str, x: torch.Tensor, rout
         return torch.cat([getattr(layer, m)(x) for m, _ in mods], -1)
 
 
-def test_projections_equal_peft_per_site_and_route():
-    """Every adapted site (and an unadapted one) through the folded projection: FixedRoute for each route, and
-    TokenRoutes with a random route per token, equal peft's LoRA layers with that route's adapter (1e-5)."""
-    from statecache.specialists import FixedRoute, TokenRoutes
+def _routes(spec, route_tok) -> TokenRoutes:
+    return TokenRoutes(spec.lora, spec.router, torch.as_tensor(route_tok))
 
+
+def test_projections_equal_peft_per_site_and_route():
+    """Every adapted site (and an unadapted one) through the folded projection (TokenRoutes): every token of one
+    route, for each route, and a random route per token, equal peft's LoRA layers with that route's adapter (1e-5)."""
     _, _, model, spec = world()
     ref = reference_model()
     cfg = model.cfg
@@ -762,19 +729,20 @@ def test_projections_equal_peft_per_site_and_route():
     keys = sorted(spec.lora.layout) + [(0, "in"), (0, "down")]  # layer 0 sits below the router: no adapter
     assert (0, "in") not in spec.lora.layout
     tok = torch.randint(0, len(ROUTES), (9,), generator=g)
+    assert len(set(tok.tolist())) >= 3
     for i, site in keys:
         W = spec.lora.weight(model.w, (i, site))
         x = torch.randn(9, W.shape[1], generator=g)
         want = torch.stack([_peft_site(ref, cfg, i, site, x, r) for r in range(len(ROUTES))])  # [R, T, out]
         for r in range(len(ROUTES)):
-            got = FixedRoute(spec.lora, spec.router, torch.tensor([r])).project(i, site, x, W)
+            got = _routes(spec, [r] * 9).project(i, site, x, W)
             assert (got - want[r]).abs().max() <= 1e-5, (i, site, r)
-        mixed = TokenRoutes(spec.lora, spec.router, tok).project(i, site, x, W)
+        mixed = _routes(spec, tok).project(i, site, x, W)
         assert (mixed - want[tok, torch.arange(9)]).abs().max() <= 1e-5, (i, site)
     # the adapters differ by route where they act (else the test shows little)
     W = spec.lora.weight(model.w, (3, "gate_up"))
     x = torch.randn(4, W.shape[1], generator=g)
-    outs = [FixedRoute(spec.lora, spec.router, torch.tensor([r])).project(3, "gate_up", x, W) for r in (0, 1, 3)]
+    outs = [_routes(spec, [r] * 4).project(3, "gate_up", x, W) for r in (0, 1, 3)]
     assert (outs[0] - outs[1]).abs().max() > 1e-3 and (outs[1] - outs[2]).abs().max() > 1e-3
 
 
@@ -796,45 +764,24 @@ def _ops(fn) -> list[str]:
 
 
 def test_projection_kernels_per_site():
-    """The work per site: a fixed route costs one GEMM with the extended weight and one addmm (its route masked once
-    per forward: a comparison and one multiply per block size; none with an owner, which holds the route masked
-    itself: the chunk runner); token routes one mask more; no adapter: one GEMM."""
-    from statecache.specialists import FixedRoute, TokenRoutes
-
+    """The work per site with token routes: one GEMM with the extended weight, one mask of the routes' parts and one
+    addmm; a site with no adapter: one GEMM."""
     _, _, model, spec = world()
     spec.lora.attach(model.w)
-    lora = spec.lora
-    route = torch.tensor([2])
-    assert _ops(lambda: FixedRoute(lora, spec.router, route)) == ["eq"] + ["mul"] * len(lora.B_src)
-    assert _ops(lambda: FixedRoute(lora, spec.router, route, owner=object())) == []
-    owner = object()
-    assert _ops(lambda: lora.hold_route(2, route, owner)) == ["eq"] + ["mul"] * len(lora.B_src)
-    assert _ops(lambda: lora.hold_route(2, route, owner)) == [] and lora.fixed_owner is owner  # held already
-    held = FixedRoute(lora, spec.router, route, owner=owner)
-    W = lora.weight(model.w, (3, "gate_up"))
-    x = torch.randn(5, W.shape[1])
-    got = held.project(3, "gate_up", x, W)
-    assert torch.equal(got, FixedRoute(lora, spec.router, route).project(3, "gate_up", x, W))
-    with pytest.raises(RuntimeError, match="rewritten"):  # the plain binding just masked: not the owner's any more
-        held.project(3, "gate_up", x, W)
-    fixed = FixedRoute(lora, spec.router, route)
-    tokens = TokenRoutes(lora, spec.router, torch.tensor([0, 1, 2, 3, 1]))
-    for key in lora.layout:
-        W = lora.weight(model.w, key)
+    tokens = _routes(spec, [0, 1, 2, 3, 1])
+    for key in spec.lora.layout:
+        W = spec.lora.weight(model.w, key)
         x = torch.randn(5, W.shape[1])
-        assert _ops(lambda: fixed.project(*key, x, W)) == ["mm", "addmm_"], key
         assert _ops(lambda: tokens.project(*key, x, W)) == ["mm", "mul", "addmm_"], key
-    W = lora.weight(model.w, (0, "gate_up"))
+    W = spec.lora.weight(model.w, (0, "gate_up"))
     x = torch.randn(5, W.shape[1])
-    assert _ops(lambda: fixed.project(0, "gate_up", x, W)) == ["mm"]
+    assert _ops(lambda: tokens.project(0, "gate_up", x, W)) == ["mm"]
 
 
 def test_attach_folds_the_adapters_into_the_weights():
     """attach keeps W's values and memory (W is the first rows of its extended weight, which holds every adapter
     route's A), is a no-op the second time, refuses mismatched weights before changing any, and projections refuse
-    weights that are not attached or a fixed route another binding has since overwritten."""
-    from statecache.specialists import FixedRoute
-
+    weights that are not attached."""
     md, sd, _, _ = world()
     spec = load_specialists(sd, load_config(md))
     weights = load_weights(md, LETTER_IDS, "cpu", torch.float32)
@@ -842,7 +789,7 @@ def test_attach_folds_the_adapters_into_the_weights():
     before = spec.lora.weight(weights, key).clone()
     x = torch.randn(3, before.shape[1])
     with pytest.raises(RuntimeError, match="attach"):
-        FixedRoute(spec.lora, spec.router, torch.tensor([1])).project(*key, x, spec.lora.weight(weights, key))
+        _routes(spec, [1, 2, 0]).project(*key, x, spec.lora.weight(weights, key))
     bf16 = load_weights(md, LETTER_IDS, "cpu", torch.bfloat16)
     ptrs = {k: spec.lora.weight(bf16, k).data_ptr() for k in spec.lora.layout}
     with pytest.raises(ValueError, match="bfloat16"):
@@ -860,10 +807,9 @@ def test_attach_folds_the_adapters_into_the_weights():
     other.lora.attach(weights)
     assert not spec.lora.attached(weights) and other.lora.attached(weights) and not spec.lora._ext
     assert torch.equal(spec.lora.weight(weights, key), before)
+    with pytest.raises(RuntimeError, match="attach"):  # the weights are the other's now
+        _routes(spec, [1, 2, 0]).project(*key, x, spec.lora.weight(weights, key))
     spec.lora.attach(weights)
     assert not other.lora._ext
     W = spec.lora.weight(weights, key)
-    first = FixedRoute(spec.lora, spec.router, torch.tensor([1]))
-    FixedRoute(spec.lora, spec.router, torch.tensor([2]))
-    with pytest.raises(RuntimeError, match="rewritten"):
-        first.project(*key, x, W)
+    assert (_routes(spec, [0, 0, 0]).project(*key, x, W) - x @ before.T).abs().max() <= 1e-6  # the trunk: W alone

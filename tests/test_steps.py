@@ -35,7 +35,7 @@ def engine(step_tokens: int, step_chunk: int, mb: int, routes: bool = False) -> 
         from statecache.tiny import tiny_specialists_dir
 
         spec = tiny_specialists_dir()
-    return Engine(device="cpu", dtype="float32", max_pos=2048, step_tokens=step_tokens, step_chunk=step_chunk,
+    return Engine(device="cpu", dtype="float32", step_tokens=step_tokens, step_chunk=step_chunk,
                   settings=CacheSettings(min_prefix=64, stride=192, mb=mb, host_mb=0 if mb == 1 else None),
                   specialists=spec)
 
@@ -120,8 +120,8 @@ def test_waves_of_rows_between_steps_answer_as_the_plain_forward(seed, step_toke
 def test_waves_of_rows_with_specialists_routes_answer_as_the_routed_plain_forward(seed, step_tokens, step_chunk, mb,
                                                                                    waves):
     """The tiny model with its 3-route specialists: rows in waves through the step loop (each with a guessed route,
-    run again with the router's where it disagreed) answer and route as the plain path's routed forward (the router
-    over the whole row, checked against peft in tests/test_specialists.py), float32 1e-4."""
+    run again with the router's where it disagreed) answer and route as the uncached forward of each row (routed by
+    the router over the whole row, checked against peft in tests/test_specialists.py), float32 1e-4."""
     eng = fresh(step_tokens, step_chunk, mb, routes=True)
     missed = eng.cache.stats["mispredict"]
     rng = np.random.default_rng(seed)
@@ -129,14 +129,14 @@ def test_waves_of_rows_with_specialists_routes_answer_as_the_routed_plain_forwar
     batches = [(make_rows(wave, states, rng), steps) for wave, steps in waves]
     rows = [r for batch, _ in batches for r in batch]
     res = answer_in_waves(eng, batches)
-    want = eng.plain.answer([(r["ids"], r["slots"], r["nopts"]) for r in rows])
-    for r, (probs, route) in zip(res, want):
-        assert "probs" in r, r
-        assert r["route"] == eng.specialists.names[route]
-        assert_close(r["probs"], probs)
+    for r in res:
         event(r["path"])
     event(f"mispredictions: {eng.cache.stats['mispredict'] > missed}")
-    assert eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0  # every row through the step loop
+    want = eng.uncached(rows, results=True)
+    for r, w in zip(res, want):
+        assert "probs" in r, r
+        assert r["route"] == w["route"]
+        assert_close(r["probs"], w["probs"])
     assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
 
 
@@ -178,7 +178,7 @@ def test_device_memory_running_out_at_random_forwards_changes_no_answer(seed):
     every row is answered as the plain forward answers it."""
     eng = fresh(320, 192, 64)
     rng = np.random.default_rng(seed)
-    real, faults, last = eng.cache.batch.forward, [0], [False]
+    real, faults, last = eng.runner.forward, [0], [False]
     coin = np.random.default_rng(100 + seed)
 
     def sometimes_out(pieces):  # a third of the forwards, never twice in a row (freeing memory makes room)
@@ -189,7 +189,7 @@ def test_device_memory_running_out_at_random_forwards_changes_no_answer(seed):
         last[0] = False
         return real(pieces)
 
-    eng.cache.batch.forward = sometimes_out
+    eng.runner.forward = sometimes_out
     try:
         states: list[list[int]] = []
         rows, got = [], {}
@@ -204,20 +204,18 @@ def test_device_memory_running_out_at_random_forwards_changes_no_answer(seed):
         while eng.pending():
             got.update(eng.step())
     finally:
-        eng.cache.batch.forward = real
+        eng.runner.forward = real
     res = [got[i] for i in range(len(rows))]
     assert faults[0] > 0 and eng.steps.stats["oom_failed"] == 0
     assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
     check(eng, rows, res)
 
 
-def test_states_longer_than_the_chunk_runners_span_are_cached_through_the_step():
+def test_states_longer_than_a_pieces_span_are_cached_through_the_step():
     """The step loop takes every row up to the longest a row may be; whether a state may be cached is the cache's
-    rule alone (StateCache.eligible), not the chunk runner's span (here 1024 tokens): a 1500-token state and one grown
-    past 2000 are planted and continued from, every answer as the plain forward's (the chunk runner's own path, for
-    rows a step gives back, still declines what its shapes cannot hold)."""
-    eng = Engine(device="cpu", dtype="float32", max_pos=1024, settings=CacheSettings(min_prefix=64, stride=192))
-    assert eng.runner.max_pos == 1024
+    rule alone (StateCache.eligible): a 1500-token state and one grown past 2000 are planted and continued from,
+    every answer as the uncached forward's."""
+    eng = Engine(device="cpu", dtype="float32", settings=CacheSettings(min_prefix=64, stride=192))
     rng = np.random.default_rng(4)
     s = toks(1500, rng)
     grown = s + toks(600, rng)
@@ -225,6 +223,5 @@ def test_states_longer_than_the_chunk_runners_span_are_cached_through_the_step()
     res = [eng.answer([r])[0] for r in rows]
     assert [r["path"] for r in res] == ["cold", "hit", "partial", "hit"], [r["path"] for r in res]
     assert res[1]["reused"] == eng.cache.state_end(1500) and res[3]["reused"] == eng.cache.state_end(2100)
+    assert eng.phases["step_rows"] == 4
     check(eng, rows, res)
-    assert eng.phases["step_rows"] == 4 and eng.phases["packed_rows"] == eng.phases["one_by_one_rows"] == 0
-    assert eng.cache.row(rows[1]["ids"], 1500, rows[1]["slots"], rows[1]["nopts"]) is None  # the chunk runner's limit

@@ -216,7 +216,7 @@ def test_profile_a_running_worker(redis_url, queue_name, engine):
         answers, got, after = run(main())
     assert all("probs" in a for a in answers) and "probs" in after
     assert got["seconds"] == 1.0 and "aten::" in got["host_table"] and "Name" in got["device_table"]
-    assert sum(got["phases"][f"{k}_rows"] for k in ("step", "packed", "batched", "one_by_one")) >= 1
+    assert got["phases"]["step_rows"] >= 1
 
 
 def test_no_password_in_the_clients_errors(caplog):

@@ -265,15 +265,14 @@ def test_results_carry_no_row_and_pickled_jobs_hear_back_in_pickle():
 
 def test_metrics_read_engine_stats_defensively():
     assert engine_figures({})["cache_used_bytes"] == 0
-    f = engine_figures({"cache": {"bytes": 10, "mb": 1, "evicted": 2, "captures": 3, "capture_s": 1.5, "rows": 4},
-                        "plain_graphs": {"captures": 1, "capture_s": 0.5}, "new_key": object()})
-    assert f["cache_budget_bytes"] == 2**20 and f["graph_captures"] == 4 and f["graph_capture_seconds"] == 2.0
-    assert f["device_memory_bytes"] == {} and f["batched_forwards"] == 0
-    # the engine's budget, batched-continuation graphs, precapture and device memory (statecache.engine.stats)
-    f = engine_figures({"cache": {"mb": 1, "captures": 3, "capture_s": 1.5, "batch": {"captures": 2, "capture_s": 1.0,
-                                                                                     "forwards": 5, "sequences": 9}},
+    f = engine_figures({"cache": {"bytes": 10, "mb": 1, "evicted": 2, "rows": 4}, "batch": {"captures": 4},
+                        "new_key": object()})
+    assert f["cache_budget_bytes"] == 2**20 and f["graph_captures"] == 4 and f["graph_capture_seconds"] == 0
+    assert f["device_memory_bytes"] == {} and f["batched_forwards"] == 0 and f["cache_evictions"] == 2
+    # the engine's budget, the batched runner's graphs and forwards, precapture and device memory (Engine.stats)
+    f = engine_figures({"cache": {"mb": 1}, "batch": {"captures": 5, "capture_s": 2.5, "forwards": 5, "sequences": 9},
                         "budget": {"mb": 3, "states_4k": 2.5}, "load_s": 4.0,
-                        "precapture": {"graphs": 3, "seconds": 1.5, "batch": {"graphs": 2, "seconds": 1.0}},
+                        "precapture": {"batch": {"graphs": 5, "seconds": 2.5}},
                         "device_memory_mb": {"allocated": 2.0, "total": 8.0}})
     assert f["cache_budget_bytes"] == 3 * 2**20 and f["cache_budget_states_4k"] == 2.5
     assert (f["graph_captures"], f["graph_capture_seconds"], f["batched_forwards"], f["batched_sequences"]) == (5, 2.5, 5, 9)

@@ -13,7 +13,7 @@ Per row, from the results the GPU thread hands back (so the counts equal the row
 From the last `engine.stats()` snapshot (read defensively: absent keys read as 0):
   statecache:cache_used_bytes, statecache:cache_budget_bytes (the sized budget, statecache.budget),
   statecache:cache_budget_states_4k, statecache:cache_checkpoints, statecache:cache_evictions_total,
-  statecache:graph_captures_total, statecache:graph_capture_seconds_total (chunk, batched and plain graphs;
+  statecache:graph_captures_total, statecache:graph_capture_seconds_total (the batched runner's graphs;
   precapture included), statecache:batched_forwards_total, statecache:batched_sequences_total (batched
   continuations, statecache.batch), statecache:engine_load_seconds (weights), statecache:precapture_seconds,
   statecache:device_memory_bytes{kind} (allocated, reserved, peak_allocated, free, total; CUDA only),
@@ -73,12 +73,12 @@ def engine_figures(stats: dict) -> dict:
         "cache_budget_states_4k": _num(stats, "budget", "states_4k"),
         "cache_checkpoints": _num(cache, "checkpoints"),
         "cache_evictions": _num(cache, "evicted"),
-        "graph_captures": sum(_num(d, "captures") for d in (cache, cache.get("batch"), stats.get("plain_graphs"))),
-        "graph_capture_seconds": sum(_num(d, "capture_s") for d in (cache, cache.get("batch"), stats.get("plain_graphs"))),
-        "batched_forwards": _num(cache, "batch", "forwards"),
-        "batched_sequences": _num(cache, "batch", "sequences"),
+        "graph_captures": _num(stats, "batch", "captures"),
+        "graph_capture_seconds": _num(stats, "batch", "capture_s"),
+        "batched_forwards": _num(stats, "batch", "forwards"),
+        "batched_sequences": _num(stats, "batch", "sequences"),
         "engine_load_seconds": _num(stats, "load_s"),
-        "precapture_seconds": _num(stats, "precapture", "seconds") + _num(stats, "precapture", "batch", "seconds"),
+        "precapture_seconds": _num(stats, "precapture", "batch", "seconds"),
         "device_memory_bytes": {k: _num(stats, "device_memory_mb", k) * 2**20
                                 for k in ("allocated", "reserved", "peak_allocated", "free", "total")
                                 if isinstance(stats.get("device_memory_mb"), dict) and k in stats["device_memory_mb"]},
@@ -238,7 +238,7 @@ class WorkerMetrics:
             reason = f"the last {int(rows - last_rows)} rows the cache was asked about planted and reused nothing"
         self.inert.set(1 if reason else 0)
         if reason and not self._inert_logged:
-            log.warning("the state cache is inert: %s; rows take the plain path (raise STATECACHE_CACHE_MB?)", reason)
+            log.warning("the state cache is inert: %s; rows run uncached (path plain; raise STATECACHE_CACHE_MB?)", reason)
         self._inert_logged = bool(reason)
 
     # --- serving ------------------------------------------------------------------------------------------

@@ -2,9 +2,8 @@
 positions (statecache.index.plan_chunks: the state end p, p - tail, every multiple of stride below p, rounded down
 to align, only those deeper than the restored position). The numbers are the cache's settings
 (statecache.settings.Settings: cache_stride, cache_tail, cache_align; a rules test holds them equal to
-statecache.cache.CacheSettings'); `max_chunk` is the chunk runner's largest chunk when the caller plants as the
-chunk runner does (a segment longer than it is cut, and those ends planted too), None when pieces are cut by the
-scheduler instead (no extra positions). Pure arithmetic, no torch.
+statecache.cache.CacheSettings'); pieces are cut by the scheduler, which plants no extra positions for them. Pure
+arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -19,10 +18,9 @@ class Layout:
     stride: int
     tail: int
     align: int
-    max_chunk: int | None = None
 
     @classmethod
-    def from_settings(cls, settings=None, max_chunk: int | None = None) -> "Layout":
+    def from_settings(cls, settings=None) -> "Layout":
         """The layout of a `statecache.settings.Settings` (default: its defaults) or of anything with the cache's
         `stride`, `tail`, `align` (statecache.cache.CacheSettings)."""
         if settings is None:
@@ -30,8 +28,8 @@ class Layout:
 
             settings = Settings()
         if hasattr(settings, "cache_stride"):
-            return cls(settings.cache_stride, settings.cache_tail, settings.cache_align, max_chunk)
-        return cls(settings.stride, settings.tail, settings.align, max_chunk)
+            return cls(settings.cache_stride, settings.cache_tail, settings.cache_align)
+        return cls(settings.stride, settings.tail, settings.align)
 
     def end(self, state_len: int) -> int:
         """p: where the state's deepest checkpoint sits."""
@@ -40,7 +38,5 @@ class Layout:
     def positions(self, start: int, state_len: int, forks: tuple = ()) -> list[int]:
         """The checkpoints a state of `state_len` tokens plants when computed from `start` (0: nothing restored), with
         its fork points `forks` (those deeper than `start`)."""
-        p = self.end(state_len)
-        mc = self.max_chunk if self.max_chunk is not None else max(p, self.align)
         return plan_chunks(start, state_len, stride=self.stride, tail=self.tail, align=self.align,
-                           max_chunk=mc - mc % self.align, extra=tuple(x for x in forks if x > start))
+                           extra=tuple(x for x in forks if x > start))

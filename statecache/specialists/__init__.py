@@ -7,11 +7,11 @@ trunk, every other route runs the layers from `split` (the first adapted layer) 
 - `lora`: every route's adapters per fused projection (A folded into the model's projection weights, B stacked)
   and the per-forward bindings that do the model's adapted projections;
 - `make`: random specialists folders written by peft itself (tests, the tiny model, benchmarks).
-The cached path's use of routes (guess, rerun on a misprediction, route-aware checkpoints) is statecache.cache's.
+The step loop's use of routes (guess, rerun on a misprediction, route-aware checkpoints) is statecache.step's.
 """
 
 from .folder import Router, Specialists, SpecialistsError, load_specialists, site_modules
-from .lora import FixedRoute, RoutedRows, StackedLora, TokenRoutes
+from .lora import StackedLora, TokenRoutes
 
-__all__ = ["FixedRoute", "RoutedRows", "Router", "Specialists", "SpecialistsError", "StackedLora", "TokenRoutes",
+__all__ = ["Router", "Specialists", "SpecialistsError", "StackedLora", "TokenRoutes",
            "load_specialists", "site_modules"]
