@@ -31,11 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from statecache.checkpoints import copy_tokenizer, hf_qwen3_5, real_shape  # noqa: E402
-from statecache.config import parse_config  # noqa: E402
-from statecache.cache import CacheSettings  # noqa: E402
+from statecache.cache.store import CacheSettings  # noqa: E402
+from statecache.dev.checkpoints import copy_tokenizer, real_shape  # noqa: E402
+from statecache.dev.tiny import tiny_model_dir  # noqa: E402
 from statecache.engine import Engine  # noqa: E402
-from statecache.tiny import tiny_model_dir  # noqa: E402
+from statecache.model.config import parse_config  # noqa: E402
+from statecache.model.hf import hf_qwen3_5  # noqa: E402
 
 
 def maxdiff(a, b):

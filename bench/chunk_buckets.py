@@ -2,7 +2,7 @@
 
     python bench/chunk_buckets.py [--agents 16] [--rows 3000] [--out DIR]
 
-Replays bench/load_bench.py's agent trace through the cache's own chunk plan (`statecache.index.plan_chunks`)
+Replays bench/load_bench.py's agent trace through the cache's own chunk plan (`statecache.cache.index.plan_chunks`)
 with an unbounded cache: a row restores the deepest planted checkpoint its tokens match, then runs chunks to each
 planned end and the question as the last chunk. For each candidate set of chunk lengths: graphs to capture (chunk
 lengths times attention spans), tokens padded over tokens run, and a GPU-weighted figure where a chunk costs
@@ -23,7 +23,7 @@ for p in (ROOT, ROOT / "bench"):
         sys.path.insert(0, str(p))
 
 from load_bench import AgentTrace  # noqa: E402
-from statecache.index import plan_chunks  # noqa: E402
+from statecache.cache.index import plan_chunks  # noqa: E402
 
 CANDIDATES = {
     "powers of two (16..2048)": (16, 32, 64, 128, 256, 512, 1024, 2048),

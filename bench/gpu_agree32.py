@@ -42,10 +42,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from statecache.cache import CacheSettings  # noqa: E402
-from statecache.checkpoints import checkpoint_layout, hf_qwen3_5  # noqa: E402
+from statecache.cache.store import CacheSettings  # noqa: E402
+from statecache.dev.checkpoints import checkpoint_layout  # noqa: E402
 from statecache.engine import Engine  # noqa: E402
-from statecache.kernels import TorchKernels  # noqa: E402
+from statecache.kernels.dispatch import TorchKernels  # noqa: E402
+from statecache.model.hf import hf_qwen3_5  # noqa: E402
 
 MAX_ROW_TOKENS = 8192  # rows here are at most 4096 + 64 + 64 tokens
 
@@ -66,7 +67,7 @@ def model_folder(args, say) -> tuple[Path, tempfile.TemporaryDirectory | None]:
     if args.model:
         return Path(args.model), None
     if args.shape == "tiny":
-        from statecache.tiny import tiny_model_dir
+        from statecache.dev.tiny import tiny_model_dir
 
         return tiny_model_dir(), None
     from random_checkpoint import text_config, write_checkpoint  # bench/ is on sys.path
@@ -109,7 +110,7 @@ def main() -> None:
     folder, tmp = model_folder(args, say)
 
     # the rows (the random generator only: no model needed)
-    from statecache.config import load_config
+    from statecache.model.config import load_config
 
     V = load_config(folder).vocab_size
     g = torch.Generator().manual_seed(7)

@@ -1,4 +1,4 @@
-"""GPU check of statecache.gdn_triton.delta_chunk (one chunk of the gated delta rule) at the 9B GDN shape.
+"""GPU check of statecache.kernels.gdn.delta_chunk (one chunk of the gated delta rule) at the 9B GDN shape.
 
 Hk=16, Hv=32, Dk=Dv=128, bf16 q/k/v/beta (q, k, v strided views split from one [L, C] projection, as in the
 model), float32 g and state. For L in (16, 33, 64): max |error| of the output and of the new state against
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from statecache.gdn_triton import delta_chunk  # noqa: E402
-from statecache.kernels import delta_rule_reference  # noqa: E402
+from statecache.kernels.dispatch import delta_rule_reference  # noqa: E402
+from statecache.kernels.gdn import delta_chunk  # noqa: E402
 
 HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (16, 33, 64)

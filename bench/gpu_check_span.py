@@ -1,8 +1,8 @@
-"""GPU check of statecache.span_triton.attend_span (flash-decoding span attention) at the 9B attention shape.
+"""GPU check of statecache.kernels.span.attend_span (flash-decoding span attention) at the 9B attention shape.
 
 Hq=16, Hkv=4, D=256, bf16; scenarios: L=64 over P=5120 keys with start=4096 (the main one, fully swept),
 L=64 with P=2048 / start=1024, and L=128 with P=5120 / start=4096. For each: max |error| against a float32 SDPA
-reference (TorchKernels.attend_span on float32 copies), next to statecache.kernels.attend_grouped and
+reference (TorchKernels.attend_span on float32 copies), next to statecache.kernels.dispatch.attend_grouped and
 FlashAttention with native GQA (the aten op FlaKernels._flash_op calls); a CUDA-graph replay with `start` changed
 after capture; then times. Each time is the GPU time per call of a CUDA graph of 20 calls (median of replays, CUDA
 events); the calls cycle through 4 separate K/V caches (each a [A, P_max] buffer sliced like the real one), so K/V
@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from statecache.kernels import TorchKernels, attend_grouped  # noqa: E402
-from statecache.span_triton import attend_span  # noqa: E402
+from statecache.kernels.dispatch import TorchKernels, attend_grouped  # noqa: E402
+from statecache.kernels.span import attend_span  # noqa: E402
 
 HQ, HKV, D = 16, 4, 256
 SCENARIOS = {"L64_P5120_s4096": (64, 5120, 4096), "L64_P2048_s1024": (64, 2048, 1024), "L128_P5120_s4096": (128, 5120, 4096)}

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_timing import graph_us  # noqa: E402
 
-from statecache import gdn_triton  # noqa: E402
-from statecache.kernels import delta_rule_reference  # noqa: E402
+from statecache.kernels import gdn as gdn_triton  # noqa: E402
+from statecache.kernels.dispatch import delta_rule_reference  # noqa: E402
 
 HK, HV, DK, DV = 16, 32, 128, 128
 MIXES = {  # name: sequence lengths in one call (a step: new-page chunks and hits' questions)

@@ -1,4 +1,4 @@
-"""How the host tier should get its pinned memory (statecache.tiers): seconds a GiB for each way of pinning, the
+"""How the host tier should get its pinned memory (statecache.cache.tiers): seconds a GiB for each way of pinning, the
 copy speed each gives, and how much a thread pinning beside it slows a thread that launches and waits for GPU work.
 
     python bench/gpu_pin.py --out DIR   (on a CUDA machine; writes DIR/results.json)

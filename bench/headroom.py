@@ -4,10 +4,10 @@
 
 The trace is bench/load_bench.py's `AgentTrace`, agents taking turns (`interleaved`: the order a closed loop of
 agents with equal think times gives; a real run's order is close to it, not equal). Each row runs through a real
-statecache.index.CheckpointIndex as statecache.cache drives it: the deepest token-exact checkpoint is restored, the
-positions of statecache.index.plan_chunks from there (with the fork point, `shared_depth`) are planted as one group
+statecache.cache.index.CheckpointIndex as statecache.cache.store drives it: the deepest token-exact checkpoint is restored, the
+positions of statecache.cache.index.plan_chunks from there (with the fork point, `shared_depth`) are planted as one group
 whose attention K/V of [0, p) counts once, bytes per checkpoint and per K/V position of the built-in tiny model
-(statecache.budget, float32); then the budget is enforced. Policies:
+(statecache.cache.budget, float32); then the budget is enforced. Policies:
 - `lru`: the index as it is (its least recently used checkpoint goes first);
 - `belady`: the checkpoint whose tokens [0, pos) the trace asks for again farthest in the future goes first (never
   again: first of all): the offline choice, with the trace's future known;
@@ -35,8 +35,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.load_bench import AgentTrace  # noqa: E402
-from statecache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
-from statecache.index import CheckpointIndex, plan_chunks  # noqa: E402
+from statecache.cache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
+from statecache.cache.index import CheckpointIndex, plan_chunks  # noqa: E402
 
 ALIGN, STRIDE, TAIL, MAX_CHUNK = 64, 2048, 16, 2048
 
@@ -107,8 +107,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-state", type=int, default=6000)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    from statecache.config import load_config
-    from statecache.tiny import tiny_model_dir
+    from statecache.dev.tiny import tiny_model_dir
+    from statecache.model.config import load_config
 
     cfg = load_config(tiny_model_dir())
     ckpt_b, kv_pos_b = checkpoint_bytes(cfg, 4), kv_bytes(cfg, 1, 4)

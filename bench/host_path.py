@@ -3,7 +3,7 @@
     python bench/host_path.py [--tokens 4096] [--reps 200] [--out DIR]
 
 Parts, each the median over --reps runs on a row as msgpack delivers it (a list of Python ints): unpacking
-the msgpack bytes, validation (`statecache.rows.check_row`), the memo key (`statecache.memo.row_key`) and a memo
+the msgpack bytes, validation (`statecache.rows.check.check_row`), the memo key (`statecache.rows.memo.row_key`) and a memo
 probe, grouping (`Engine._groups`: eligibility and the aligned state prefix), the cache lookup with the row's
 state planted (`CheckpointIndex.lookup`), and the engine's whole host path for a memo hit (`Engine.answer` on a
 repeated row: everything but the model). Prints a table; --out writes host_path.json. No model runs; the tiny
@@ -45,8 +45,8 @@ def main(argv=None) -> int:
     import msgpack
 
     from statecache.engine import Engine
-    from statecache.memo import row_key
-    from statecache.rows import check_row
+    from statecache.rows.check import check_row
+    from statecache.rows.memo import row_key
 
     eng = Engine(None, "cpu", "float32", cache_mb=256)
     rng = random.Random(0)

@@ -473,7 +473,8 @@ def score_phase(args, rows: list[Row], check=()) -> tuple[dict, list[Record]]:
 def hf_phase(args, rows: list[Row], ours: list[Record]) -> dict:
     import torch
 
-    from statecache.checkpoints import checkpoint_layout, hf_qwen3_5
+    from statecache.dev.checkpoints import checkpoint_layout
+    from statecache.model.hf import hf_qwen3_5
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda" if cuda else "cpu")
@@ -735,7 +736,7 @@ def main(argv=None) -> int:
         checkpoint_s = round(time.perf_counter() - t0, 1)
         print(f"[load] random {args.random_shape} checkpoint in {args.model} ({checkpoint_s} s)", file=sys.stderr, flush=True)
     if args.model is None:
-        from statecache.tiny import tiny_model_dir
+        from statecache.dev.tiny import tiny_model_dir
 
         args.model = str(tiny_model_dir())
     vocab_size = model_vocab(args.model)

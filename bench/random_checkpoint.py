@@ -2,7 +2,7 @@
 
     python bench/random_checkpoint.py OUT_DIR [--shape 9B] [--layers N] [--shard-gb 5] [--seed 0] [--device cuda]
 
-`statecache.checkpoints.make_checkpoint` builds the model with transformers on the CPU and saves it in float32: right
+`statecache.dev.checkpoints.make_checkpoint` builds the model with transformers on the CPU and saves it in float32: right
 for tests, minutes and 36 GB for the 9B. This writes the same layout (`Qwen3_5ForCausalLM`, `model_type`
 `qwen3_5_text`, weights `model.*` + `lm_head.weight`) directly: every weight name and shape comes from a
 transformers model built on the meta device (so nothing is missed or invented), values are generated with torch
@@ -33,7 +33,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from statecache.checkpoints import copy_tokenizer, hf_qwen3_5, real_shape  # noqa: E402
+from statecache.dev.checkpoints import copy_tokenizer, real_shape  # noqa: E402
+from statecache.model.hf import hf_qwen3_5  # noqa: E402
 
 
 def text_config(shape: str = "9B", layers: int | None = None, **overrides):
@@ -128,7 +129,7 @@ def write_checkpoint(out_dir, cfg, *, seed: int = 0, shard_bytes: int = 5 * 2**3
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if tokenizer_dir is None:
-        from statecache.tiny import tiny_model_dir
+        from statecache.dev.tiny import tiny_model_dir
 
         tokenizer_dir = tiny_model_dir()
     copy_tokenizer(tokenizer_dir, out)
@@ -138,7 +139,7 @@ def write_checkpoint(out_dir, cfg, *, seed: int = 0, shard_bytes: int = 5 * 2**3
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="checkpoint folder to write")
-    ap.add_argument("--shape", default="9B", help="0.8B, 2B or 9B (statecache.checkpoints.real_shape)")
+    ap.add_argument("--shape", default="9B", help="0.8B, 2B or 9B (statecache.dev.checkpoints.real_shape)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape")
     ap.add_argument("--shard-gb", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for results.json and the workers' logs")
     args = ap.parse_args(argv)
     if args.model is None:
-        from statecache.tiny import tiny_model_dir
+        from statecache.dev.tiny import tiny_model_dir
 
         args.model = str(tiny_model_dir())
     vocab = (10, model_vocab(args.model))

@@ -4,10 +4,10 @@
 
 The trace is bench/load_bench.py's `AgentTrace` (token rows of 2-6k tokens; pages that grow or are replaced).
 Each agent sends its next row an exponential think time (--think-s) after its answer. What is real: each worker's
-cache is a statecache.index.CheckpointIndex (token-exact lookups, LRU eviction in bytes) planted at
-statecache.index.plan_chunks's positions, its observer feeds a statecache.routing.FingerprintLedger whose drained
+cache is a statecache.cache.index.CheckpointIndex (token-exact lookups, LRU eviction in bytes) planted at
+statecache.cache.index.plan_chunks's positions, its observer feeds a statecache.cache.routing.FingerprintLedger whose drained
 fingerprints are "advertised" (a dict standing in for the Redis hash), and every row is routed by
-statecache.routing (prefix_fingerprints, home_key, choose; take_from for an idle worker's taking). What is a model:
+statecache.cache.routing (prefix_fingerprints, home_key, choose; take_from for an idle worker's taking). What is a model:
 a worker serves its queue one row at a time, a row costing --row-s plus --token-s per token it computes (the tokens
 past its restored checkpoint); a checkpoint's bytes are --ckpt-mb (recurrent state) and a group's --kv-kb per state
 token (attention K/V); advertising is instant and a dead worker's claims vanish --ttl-s after it dies.
@@ -19,7 +19,7 @@ Reported: tokens reused (and against the reference), each worker's busy time aga
 rows shed and taken, the p50/p99 of the time from a row's send to its answer, and for the kill: rows lost (must be
 0), rows re-routed, reuse before and after.
 
-Knows statecache.routing, statecache.index and the trace; no Redis, no torch, no model.
+Knows statecache.cache.routing, statecache.cache.index and the trace; no Redis, no torch, no model.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from bench.load_bench import AgentTrace  # noqa: E402
-from statecache.index import CheckpointIndex, plan_chunks  # noqa: E402
-from statecache.routing import FingerprintLedger, choose, home_key, prefix_fingerprints, take_from  # noqa: E402
+from statecache.cache.index import CheckpointIndex, plan_chunks  # noqa: E402
+from statecache.cache.routing import FingerprintLedger, choose, home_key, prefix_fingerprints, take_from  # noqa: E402
 
 ALIGN, STRIDE, TAIL, MAX_CHUNK = 64, 2048, 16, 4096
 

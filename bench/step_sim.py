@@ -6,7 +6,7 @@ a model of today's engine, with GPU time from a cost model fitted to H200 measur
 
 The trace is load_bench's own (`AgentTrace`: states of 2-6k tokens; a visit asks 1-3 questions; then the page grows
 by an action, 75%, or a new page replaces it; each agent sends its next row when its last answer arrives), token-exact
-over the real checkpoint index (statecache.sched.IndexView over statecache.index.CheckpointIndex, the 9B shape's
+over the real checkpoint index (statecache.sched.IndexView over statecache.cache.index.CheckpointIndex, the 9B shape's
 bytes, a 66 GiB budget as the worker had in s11_run2).
 
 The cost model (`fit`): milliseconds of one forward's graph = a + b * tokens + c * sequences + d * attention pairs
@@ -43,9 +43,9 @@ for p in (ROOT, ROOT / "bench"):
 
 from load_bench import AgentTrace  # noqa: E402
 
-from statecache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
-from statecache.checkpoints import real_shape  # noqa: E402
-from statecache.config import parse_config  # noqa: E402
+from statecache.cache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
+from statecache.dev.checkpoints import real_shape  # noqa: E402
+from statecache.model.config import parse_config  # noqa: E402
 from statecache.sched import IndexView, Layout, Row, Scheduler  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

@@ -14,7 +14,7 @@ already serving the queue when its health key is there (`--worker auto`), else o
 model of `STATECACHE_MODEL` (default: the built-in tiny model, whose random weights make the letters
 meaningless; the paths and latencies are real). `--screenshots`: each state also shows a generated screenshot of
 the page (a PNG drawn with PIL, referenced by the `<|image|>` placeholder); a worker started here then runs the tiny
-model with a vision tower (`python -m statecache.tiny --vision`) unless `STATECACHE_MODEL` names another.
+model with a vision tower (`python -m statecache.dev.tiny --vision`) unless `STATECACHE_MODEL` names another.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from pathlib import Path
 
 from producer.client import AnswerTimeout, Client, RowRejected, WorkerError, text_row
 from producer.local_redis import LocalRedis, answers, free_port
-from statecache.images import PLACEHOLDER
 from statecache.protocol import health_key, redact
 from statecache.redis_url import sync_client
+from statecache.rows.images import PLACEHOLDER
 from statecache.settings import Settings, child_env, is_set
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,7 +251,7 @@ def started_worker(redis_url: str, queue: str, ready_timeout_s: float, drain_s: 
     env = child_env(REDIS_URL=redis_url, STATECACHE_QUEUE=queue, STATECACHE_HEALTH_INTERVAL_S=1,
                     STATECACHE_METRICS_PORT=port, STATECACHE_DRAIN_S=drain_s)
     if shots and not env.get("STATECACHE_MODEL"):  # the tiny model with a vision tower
-        env["STATECACHE_MODEL"] = subprocess.run([sys.executable, "-m", "statecache.tiny", "--vision"], cwd=ROOT,
+        env["STATECACHE_MODEL"] = subprocess.run([sys.executable, "-m", "statecache.dev.tiny", "--vision"], cwd=ROOT,
                                                  env=env, check=True, capture_output=True, text=True).stdout.strip()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     model = env.get("STATECACHE_MODEL") or "the built-in tiny model"

@@ -29,6 +29,7 @@
 #   tests_gpu   pytest tests/test_gpu.py alone (240)
 #   tests_triton pytest the Triton kernel tests alone (batch, span, gdn, conv, norm; 240): with tests_gpu, the GPU
 #               suite in two calls' worth of steps
+#   tests_triton2 pytest the Triton kernel tests of gdn, conv and norm alone (300): tests_triton's second half
 #   tests_steps pytest tests/test_gpu.py's tests of rows through the step loop (mixed steps, images, specialists,
 #               options, the host tier), each failure printed as it happens (240)
 # Environment passed on: STATECACHE_* (e.g. STATECACHE_CACHE_MB). Compile caches go to $STATECACHE_HOME
@@ -94,6 +95,8 @@ run_step() {
                   tests/test_span_triton.py tests/test_gdn_triton.py tests/test_conv_triton.py >"$dir/log.txt" 2>&1 ;;
         tests_triton) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_batch_triton.py \
                   tests/test_span_triton.py tests/test_gdn_triton.py tests/test_conv_triton.py tests/test_norm_triton.py >"$dir/log.txt" 2>&1 ;;
+        tests_triton2) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gdn_triton.py \
+                  tests/test_conv_triton.py tests/test_norm_triton.py >"$dir/log.txt" 2>&1 ;;
         tests_gpu) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py >"$dir/log.txt" 2>&1 ;;
         tests_steps) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py \
                   -k "steps_mix or image_rows or specialists or options or host_tier or cached_rows or 9000_token" >"$dir/log.txt" 2>&1 ;;
@@ -107,7 +110,7 @@ run_step() {
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [profile]=390 [agree]=240 [tests]=240)
+declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [tests_triton2]=300 [profile]=390 [agree]=240 [tests]=240)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}

@@ -38,11 +38,11 @@ def loads_line(line: str):
 
 
 def _score(args) -> int:
-    from .engine import Engine
-    from .rows import error_result
-    from .settings import Settings
+    from statecache.engine import Engine
+    from statecache.protocol import error_result
+    from statecache.settings import Settings
 
-    from .specialists import SpecialistsError
+    from statecache.model.specialists import SpecialistsError
 
     given = dict(model=args.model, device=args.device, dtype=args.dtype, cache_mb=args.cache_mb,
                  specialists=args.specialists)

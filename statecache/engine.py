@@ -4,13 +4,13 @@
 `check_aside`, is taken as it is), answers bad rows and exact repeats (the memo) at once, and hands the rest to the
 step loop (statecache.step.Steps over statecache.sched.Scheduler): a row equal to one already scheduled waits for its
 answer. `step()` runs one step: the scheduler fills a token budget with hits, grown states and chunks of new pages,
-the batched runner (statecache.batch) runs them as packed forwards, each sequence from its own state, and the rows
+the batched runner (statecache.run.batch) runs them as packed forwards, each sequence from its own state, and the rows
 whose last piece ran are answered; states are planted as their pieces pass their checkpoint positions, and a row
 whose state another row is computing waits for it. Whether a new state is planted is the `cold_ok` policy's decision
-(statecache.policy), asked once per new state; `waiting_rows` (the caller's view of its queue) only informs it.
+(statecache.cache.policy), asked once per new state; `waiting_rows` (the caller's view of its queue) only informs it.
 `answer(rows)` is both, stepped until every row is answered (what `statecache score` and the tests use).
 
-Rows with images (checkpoints with a vision tower: statecache.images, statecache.vision) go through the step loop too:
+Rows with images (checkpoints with a vision tower: statecache.rows.images, statecache.run.images) go through the step loop too:
 their memo and group keys include each image's content hash, the index knows their states by key tokens, and a piece
 holding image tokens runs in an eager forward of its own. So do rows with specialists (`specialists=`: every result
 then names its `route`): each runs with a route, guessed until its router has spoken over the whole row, and one the
@@ -32,22 +32,23 @@ import time
 
 import torch
 
-from .budget import (DEFAULT_FRACTION, Budget, DeviceTooSmall, cache_budget, check_fits, device_free_bytes,
-                     forward_workspace_bytes, rebudget)
-from .cache import Answer, CacheSettings, StateCache
-from .compile_cache import use_persistent_caches
-from .kernels import kernels_for
-from .config import load_config
-from .loader import load_weights
-from .memo import Memo, row_key
-from .model import Qwen35
-from .policy import ColdPolicy, PlantWhenItFits, load_policy
-from .rows import CheckedRow, RowError, check_row, error_result
-from .text import answer_tokens, text_bound
-from .specialists import load_specialists
-from .batch import CHUNK, BatchRunner
-from .sched import slots_at_one_position
-from .step import BUDGET_TOKENS, CHUNK_TOKENS, RowFailed, Steps
+from statecache.cache.budget import (DEFAULT_FRACTION, Budget, DeviceTooSmall, cache_budget, check_fits,
+                                     device_free_bytes, forward_workspace_bytes, rebudget)
+from statecache.cache.policy import ColdPolicy, PlantWhenItFits, load_policy
+from statecache.cache.store import Answer, CacheSettings, StateCache
+from statecache.kernels.dispatch import kernels_for
+from statecache.model.config import load_config
+from statecache.model.forward import Qwen35
+from statecache.model.loader import load_weights
+from statecache.model.specialists import load_specialists
+from statecache.protocol import error_result
+from statecache.rows.check import CheckedRow, RowError, check_row
+from statecache.rows.memo import Memo, row_key
+from statecache.rows.text import answer_tokens, text_bound
+from statecache.run.batch import CHUNK, BatchRunner
+from statecache.run.compile_cache import use_persistent_caches
+from statecache.sched import slots_at_one_position
+from statecache.step import BUDGET_TOKENS, CHUNK_TOKENS, RowFailed, Steps
 
 log = logging.getLogger("statecache.engine")
 LETTERS = list(string.ascii_uppercase)
@@ -63,7 +64,7 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-MEMORY_CHECK_S = 2.0  # how often a step re-checks the device's free memory (statecache.budget.rebudget)
+MEMORY_CHECK_S = 2.0  # how often a step re-checks the device's free memory (statecache.cache.budget.rebudget)
 # how long memory given back must stay free before the budget grows into it: a worker started in place of one that
 # died (a rolling restart, a crash loop's next try) loads its weights and sizes its cache within about a minute
 # (57 s with warm compile caches on an H100, bench/README.md); a survivor growing at once took that memory and the
@@ -86,7 +87,7 @@ class Engine:
                  auto_budget: bool | None = None, step_tokens: int = BUDGET_TOKENS,
                  step_chunk: int = CHUNK_TOKENS):
         if model_dir is None:
-            from .tiny import tiny_model_dir
+            from statecache.dev.tiny import tiny_model_dir
 
             model_dir = tiny_model_dir(home)
         self.cache_fraction = cache_fraction  # share of free device memory for the cache when cache_mb is None
@@ -108,7 +109,7 @@ class Engine:
         # a text row's slots read the letters as the tokenizer writes them there (" A" after a cue): found once, checked
         self.answer_tokens = answer_tokens(self.tokenizer)
         t0 = time.perf_counter()
-        # specialists (a folder, statecache.specialists.folder): checked in full before the model's weights load
+        # specialists (a folder, statecache.model.specialists.folder): checked in full before the model's weights load
         self.specialists = None if specialists is None else load_specialists(
             specialists, load_config(self.model_dir), self.device, self.dtype)
         try:
@@ -143,7 +144,7 @@ class Engine:
         self.cache = StateCache(settings, self.device, checkpoint_bytes=st.checkpoint_bytes(),
                                 position_bytes=st.position_bytes())
         # image rows (a checkpoint with a vision tower and an image processor): known before start-up captures
-        from .images import ImageSupport
+        from statecache.rows.images import ImageSupport
 
         self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
         self.precapture_info = None
@@ -154,7 +155,8 @@ class Engine:
         # image rows: the vision tower loads before the cache's budget is sized from the memory left
         self.embeddings = None
         if self.images is not None:
-            from .vision import Embeddings, VisionTower
+            from statecache.model.vision import VisionTower
+            from statecache.run.images import Embeddings
 
             self.embeddings = Embeddings(self.images, VisionTower.from_checkpoint(self.model_dir, self.device, self.dtype))
         self._reserved0: int | None = None  # set by _size_cache where the budget comes from the device
@@ -179,7 +181,7 @@ class Engine:
             self.cache.host.start()
 
     def _size_cache(self, settings: CacheSettings, auto: bool, fraction: float | None, largest: int) -> Budget:
-        """The cache's bound (statecache.budget): the caller's figure, else on CUDA a fraction of the memory free now
+        """The cache's bound (statecache.cache.budget): the caller's figure, else on CUDA a fraction of the memory free now
         (weights, static buffers and captured graphs are in place) less the largest forward's workspace, else the
         CPU default. Logged in MiB and in 4k-token states."""
         cfg, nbytes = self.model.cfg, torch.tensor([], dtype=self.dtype).element_size()
@@ -209,7 +211,7 @@ class Engine:
     def from_settings(cls, settings=None, **kw) -> "Engine":
         """The engine a `statecache.settings.Settings` describes (default: `Settings.from_env()`); `kw` overrides.
         The cache's budget: `cache_mb` when set, else sized from the device (`cache_fraction` of its free memory)."""
-        from .settings import Settings
+        from statecache.settings import Settings
 
         s = settings if settings is not None else Settings.from_env()
         args = dict(settings=s.cache_settings(), auto_budget=s.cache_mb is None, compile=s.compile, precapture=s.precapture,
@@ -220,7 +222,7 @@ class Engine:
         return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
 
     def _batch_runner(self, max_slots: int, max_batch: int, max_keys: int) -> BatchRunner:
-        """The step loop's runner (statecache.batch): CUDA graphs over statecache's Triton kernels where they serve
+        """The step loop's runner (statecache.run.batch): CUDA graphs over statecache's Triton kernels where they serve
         this model and device, else the same forwards eagerly (the CPU; a model whose shapes the Triton kernels do not
         take runs eagerly on the GPU too, slowly). With specialists each sequence runs with its own route."""
         kw = dict(max_slots=max_slots, max_batch=max_batch, max_pos=max_keys, specialists=self.specialists)
@@ -409,7 +411,7 @@ class Engine:
             row = check_row(raw, self.vocab_size, self.max_row_tokens, self.tokenizer, self.images, as_array=True,
                             answers=self.answer_tokens, bound=self._text_bound(self.tokenizer))
             if row.get("images"):
-                from .vision import RowImages
+                from statecache.run.images import RowImages
 
                 row["mm"] = RowImages(row["ids"], row["images"], self.embeddings, self.device)
         except RowError as e:
@@ -435,7 +437,7 @@ class Engine:
         return self.vocab_size, self.max_row_tokens, id(self.tokenizer), id(self.images), id(self.answer_tokens)
 
     def _text_bound(self, tokenizer):
-        """The TextBound (statecache.text) of this engine's tokenizer, found once per tokenizer (`tokenizer`: it or
+        """The TextBound (statecache.rows.text) of this engine's tokenizer, found once per tokenizer (`tokenizer`: it or
         its copy, the same vocabulary)."""
         held = self.__dict__.get("_bound")
         if held is None or held[0] is not self.tokenizer:
@@ -470,7 +472,7 @@ class Engine:
         return CheckedRow(row, None, limits)
 
     def state_key(self, raw) -> tuple | None:
-        """A row's state as the cache knows it, for routing (statecache.routing): (key tokens as an int64 array,
+        """A row's state as the cache knows it, for routing (statecache.cache.routing): (key tokens as an int64 array,
         p = its aligned end, state_len), as `_groups` and the index see them; None for a row the cache does not take
         (bad, not eligible) or one with images (their key tokens need the images decoded). raw: a raw row (checked
         here by `check_aside`, with its thread rules) or a CheckedRow."""
@@ -521,7 +523,7 @@ class Engine:
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
 
     def recheck_memory(self) -> int:
-        """Re-size the cache's budget from the device's free memory now (statecache.budget.rebudget; CUDA, budget
+        """Re-size the cache's budget from the device's free memory now (statecache.cache.budget.rebudget; CUDA, budget
         sized from the device): another process taking memory shrinks it, and what it no longer holds leaves the
         device (to the host tier where there is one) and goes back to the driver; memory given back grows it once it
         has stayed free for GROW_AFTER_S (a worker starting in a dead one's place gets it first).

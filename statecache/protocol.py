@@ -11,7 +11,7 @@ worker does: statecache.redis_url):
 Jobs. `answer(row)`: one row in, one result out. `stats()`: the engine's and the worker's counters. Both sit on
 arq's default queue (`QUEUE_NAME`) unless the worker's settings name another.
 
-Rows (checked by statecache.rows / statecache.text; see docs/ARCHITECTURE.md):
+Rows (checked by statecache.rows.check / statecache.rows.text; see docs/ARCHITECTURE.md):
   token row  {"ids": [int], "state_len": int, "slots": [int], "nopts": [int]}  (per slot: the first nopts letters)
          or  {"ids": [int], "state_len": int, "slots": [int], "options": [[int]]}  (per slot: its option token ids)
   text row   {"state": str, "questions": [{"text": str, "options": [str]}]}
@@ -57,14 +57,14 @@ IN_PROGRESS_KEY_PREFIX = in_progress_key_prefix
 # dispatcher moves ids from QUEUE (where agents enqueue) to the chosen worker's queue
 ROUTE_PREFIX = "statecache:route:"  # + QUEUE + ":workers" (set of worker ids), ":live:<id>" (heartbeat, with a TTL),
 # ":draining:<id>" (heartbeat of a worker told to stop, finishing what it runs: takes nothing new), ":fp:<id>" (hash:
-# fingerprint -> last used, the states the worker holds; statecache.routing)
+# fingerprint -> last used, the states the worker holds; statecache.cache.routing)
 PRIVATE_QUEUE_INFIX = ":w:"  # QUEUE + this + worker id: the worker's own arq queue
 
 PATHS = ("memo", "hit", "partial", "cold", "plain")
 
 # ---- error codes (result["error"]["code"]) ----------------------------------------------------------------------
 ERROR_CODES = {
-    # the row (statecache.rows, statecache.text)
+    # the row (statecache.rows.check, statecache.rows.text)
     "bad_row": "not a row: not a map, missing or unknown fields, text row without a tokenizer",
     "bad_type": "a field has the wrong type",
     "empty": "no ids, no slots or no questions",
@@ -77,7 +77,7 @@ ERROR_CODES = {
     "option_out_of_range": "an option token id outside the model's vocabulary",
     "duplicate_options": "a slot's options name one token id twice",
     "options_mismatch": "a row with both nopts and options whose counts disagree",
-    # images (statecache.rows, statecache.images, statecache.text)
+    # images (statecache.rows.check, statecache.rows.images, statecache.rows.text)
     "no_vision": "the row has images but the model has no vision tower (or no image processor)",
     "image_count_mismatch": "the placeholders in the text and the images differ in number",
     "image_tokens_mismatch": "the image-pad runs in the ids do not match the images",

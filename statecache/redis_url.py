@@ -27,7 +27,7 @@ import redis
 from arq.connections import RedisSettings
 from redis.asyncio.connection import ConnectionPool, SSLConnection, parse_url
 
-from .protocol import redact
+from statecache.protocol import redact
 
 
 class BadRedisURL(ValueError):

@@ -7,7 +7,7 @@ project that reads `os.environ` (tests/test_rules.py checks that). The settings 
 lists these fields exactly (also checked).
 
 Knows the variables, their types and defaults; knows nothing of the engine, arq or Redis beyond the names.
-The cache's own defaults are those of statecache.cache.CacheSettings (a test checks they agree; importing
+The cache's own defaults are those of statecache.cache.store.CacheSettings (a test checks they agree; importing
 that module here would load torch for every producer).
 """
 
@@ -17,9 +17,10 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
-from .protocol import JOB_TIMEOUT_S, QUEUE_NAME, redact
+from statecache.protocol import JOB_TIMEOUT_S, QUEUE_NAME, redact
 
 log = logging.getLogger("statecache.settings")
 PREFIX = "STATECACHE_"
@@ -41,7 +42,7 @@ class Settings:
     home: str | None = _f(None, "STATECACHE_HOME", "where the built-in tiny model is written (default: ~/.cache/statecache)")
     engine: str = _f("statecache.engine:Engine.from_settings", "STATECACHE_ENGINE",
                      "import path `module:callable` that builds the engine; called with this Settings object")
-    cold_ok: str = _f("", "STATECACHE_COLD_OK", "import path of the cold_ok policy (default: statecache.policy.PlantWhenItFits)")
+    cold_ok: str = _f("", "STATECACHE_COLD_OK", "import path of the cold_ok policy (default: statecache.cache.policy.PlantWhenItFits)")
     compile: bool | None = _f(None, "STATECACHE_COMPILE", "torch.compile the elementwise kernels (default: on cuda)")
     precapture: bool = _f(True, "STATECACHE_PRECAPTURE", "capture every CUDA graph before serving (no-op on the CPU)")
     specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; docs/SPECIALISTS.md; default: none)")
@@ -95,8 +96,8 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
     def cache_settings(self):
-        """statecache.cache.CacheSettings from these settings (imports torch)."""
-        from .cache import CacheSettings
+        """statecache.cache.store.CacheSettings from these settings (imports torch)."""
+        from statecache.cache.store import CacheSettings
 
         kw = dict(stride=self.cache_stride, tail=self.cache_tail, align=self.cache_align,
                   min_prefix=self.cache_min_prefix, max_slots=self.cache_max_slots)
@@ -158,14 +159,15 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-def env_home() -> str | None:
-    """STATECACHE_HOME alone (the tiny model's folder), without reading or checking the other settings."""
-    return os.environ.get("STATECACHE_HOME") or None
+def statecache_home() -> Path:
+    """``$STATECACHE_HOME`` alone (the tiny model's and the compile caches' folder), else ``~/.cache/statecache``,
+    without reading or checking the other settings."""
+    return Path(os.environ.get("STATECACHE_HOME") or Path.home() / ".cache" / "statecache")
 
 
 def setdefault_env(values: Mapping[str, str]) -> dict[str, str]:
     """Set each variable of `values` the environment leaves unset (other libraries' settings, e.g. the compile
-    caches' folders: statecache.compile_cache); returns each as it now stands."""
+    caches' folders: statecache.run.compile_cache); returns each as it now stands."""
     for name, value in values.items():
         if not os.environ.get(name):
             os.environ[name] = value

@@ -1,7 +1,7 @@
 """The step loop's runner: rows in, one GPU step at a time, rows out when their last piece has run.
 
 `Steps` holds the rows the engine handed it (`add`), asks the scheduler (statecache.sched.Scheduler) for each step's
-pieces, runs them as packed forwards of the batched runner (statecache.batch.BatchRunner: each sequence continues
+pieces, runs them as packed forwards of the batched runner (statecache.run.batch.BatchRunner: each sequence continues
 from its own state, so hits, grown states and the chunks of new pages ride in one forward), plants the checkpoints
 the pieces passed and returns the rows it finished (`step`). What a row carries between its steps lives here
 (`_Live`): its conv tails and GDN state at its next piece's start and its own K/V of [0, p) (the restored prefix,
@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import SNAPS_PER_PIECE, NotBatched, Piece
-from .cache import Answer, StateCache
-from .graphs import n_options
-from .index import DEVICE
-from .sched import Layout, Row, Scheduler, slots_at_one_position
+from statecache.cache.index import DEVICE
+from statecache.cache.store import Answer, StateCache
+from statecache.run.batch import SNAPS_PER_PIECE, NotBatched, Piece
+from statecache.run.graphs import n_options
+from statecache.sched import Layout, Row, Scheduler, slots_at_one_position
 
 log = logging.getLogger("statecache.step")
 
@@ -88,7 +88,7 @@ def _slots_in(live: "_Live", s: int, e: int) -> list[int]:
 
 
 def _keys(row: dict):
-    """The tokens the cache knows a row's state by: its ids, or an image row's key tokens (statecache.vision)."""
+    """The tokens the cache knows a row's state by: its ids, or an image row's key tokens (statecache.run.images)."""
     return row["mm"].keys if "mm" in row else row["ids"]
 
 
@@ -379,7 +379,7 @@ class Steps:
         that failed. reads: gets (items, wait for their answers) for each forward that answers slots."""
         r = self.runner
         groups, cur, tokens, snaps = [], [], 0, 0
-        # pieces holding image tokens run eagerly (statecache.batch): in forwards of their own, after the others
+        # pieces holding image tokens run eagerly (statecache.run.batch): in forwards of their own, after the others
         items = [it for it in items if not it[0].has_image()] + [it for it in items if it[0].has_image()]
         for it in items:
             n, k = it[0].e - it[0].s, len(it[0].snaps)

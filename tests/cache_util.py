@@ -16,13 +16,13 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from statecache.batch import BatchRunner
-from statecache.cache import CacheSettings, StateCache
-from statecache.checkpoints import make_checkpoint
-from statecache.kernels import TorchKernels
-from statecache.loader import load_weights
-from statecache.model import Qwen35
-from statecache.policy import PlantWhenItFits
+from statecache.cache.policy import PlantWhenItFits
+from statecache.cache.store import CacheSettings, StateCache
+from statecache.dev.checkpoints import make_checkpoint
+from statecache.kernels.dispatch import TorchKernels
+from statecache.model.forward import Qwen35
+from statecache.model.loader import load_weights
+from statecache.run.batch import BatchRunner
 from statecache.step import Steps
 
 VOCAB = 64

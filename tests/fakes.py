@@ -66,7 +66,7 @@ def build_tokenizer(chat_template: str | None = CHATML):
     )
     corpus = ["the page shows a login form", "Answer: A. yes B. no", "user assistant goal steps taken"] * 10
     tok.train_from_iterator(corpus, trainer)
-    from statecache.tiny import with_spaced_letters
+    from statecache.dev.tiny import with_spaced_letters
 
     fast = PreTrainedTokenizerFast(tokenizer_object=with_spaced_letters(tok), eos_token="<|im_end|>")
     fast.chat_template = chat_template

@@ -1,7 +1,7 @@
 """Tiny random Qwen3.5 checkpoints (made by transformers, every parameter perturbed) and transformers' own answers.
 
 The oracle for statecache's forward: the checkpoint is loaded back with transformers' ``Qwen3_5ForCausalLM`` /
-``Qwen3_5ForConditionalGeneration`` (through ``statecache.checkpoints``, so fla is hidden and transformers takes its
+``Qwen3_5ForConditionalGeneration`` (through ``statecache.dev.checkpoints``, so fla is hidden and transformers takes its
 torch path) and an answer is the softmax of its full logits at a slot, restricted to the first ``nopts`` option
 letters (DESIGN section 1).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from statecache.checkpoints import load_reference, make_checkpoint
+from statecache.dev.checkpoints import load_reference, make_checkpoint
 
 VOCAB = 300
 # 26 distinct option-letter ids below VOCAB, deliberately not in increasing order (a head-row mix-up shows)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from statecache.checkpoints import load_reference
+from statecache.dev.checkpoints import load_reference
 
 
 class SpecReference:

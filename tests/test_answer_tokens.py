@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from statecache.cache import CacheSettings
-from statecache.checkpoints import load_reference
+from statecache.cache.store import CacheSettings
+from statecache.dev.checkpoints import load_reference
+from statecache.dev.tiny import build_tokenizer
 from statecache.engine import Engine
-from statecache.text import ANSWER_CUE, QUESTION_SEP, STATE_SEP, answer_tokens, encode_text_row, question_text
-from statecache.tiny import build_tokenizer
+from statecache.rows.text import ANSWER_CUE, QUESTION_SEP, STATE_SEP, answer_tokens, encode_text_row, question_text
 from tests.cache_util import one_thread
 
 TOL = 1e-4
@@ -118,7 +118,7 @@ def _letterless_tokenizer():
 
 
 def test_a_tokenizer_without_one_token_letters_is_a_start_up_error(tmp_path):
-    from statecache.tiny import tiny_model_dir
+    from statecache.dev.tiny import tiny_model_dir
 
     with pytest.raises(ValueError, match=r"letter 'A' after 'Answer:'"):
         answer_tokens(_letterless_tokenizer())

@@ -1,4 +1,4 @@
-"""Batched continuations (statecache.batch.BatchRunner, as the step loop statecache.step.Steps drives it) on the CPU in
+"""Batched continuations (statecache.run.batch.BatchRunner, as the step loop statecache.step.Steps drives it) on the CPU in
 float32.
 
 Every answer of a step's packed forward equals the uncached answer within 1e-4, the answer of the same row run alone,
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from statecache.batch import MAX_PIECE, MAX_SNAPS, BatchRunner, NotBatched, Piece
-from statecache.cache import Answer, StateCache
-from statecache.kernels import TorchKernels
+from statecache.cache.store import Answer, StateCache
+from statecache.kernels.dispatch import TorchKernels
+from statecache.run.batch import MAX_PIECE, MAX_SNAPS, BatchRunner, NotBatched, Piece
 from statecache.step import RowFailed, Steps
 from tests.cache_util import (MAX_POS, VOCAB, assert_close, down, index_bytes_recount, max_diff, one_thread,
                               make_steps, reference, run_rows, small_model, small_runner, toks)
@@ -234,8 +234,8 @@ def test_more_rows_than_the_largest_batch():
 def test_matches_transformers(tmp_path):
     """Hits and a grown state in one step on checkpoints of tests.oracle_util (GQA, GVA, Dk != Dv, partial rotary)
     against transformers' own model."""
-    from statecache.loader import load_weights
-    from statecache.model import Qwen35
+    from statecache.model.forward import Qwen35
+    from statecache.model.loader import load_weights
     from tests.oracle_util import LETTERS, Reference, build_checkpoint, load_reference, max_abs_diff, random_ids
 
     for name in ("causal_untied_gqa2", "cond_untied_sharded"):

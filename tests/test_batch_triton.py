@@ -1,5 +1,5 @@
 """The batched Triton kernels (conv_triton.conv_batch, gdn_triton.delta_batch, span_triton.attend_batch) against the
-one-sequence torch reference run sequence by sequence (statecache.batch.BatchKernels' eager loop).
+one-sequence torch reference run sequence by sequence (statecache.run.batch.BatchKernels' eager loop).
 
 Without CUDA they run in Triton's interpreter, float32. Cases: sequences of different lengths (1 token, more than
 one 64-token delta piece, empty padding sequences), tokens of no sequence at the end, grouped heads, cached keys
@@ -13,12 +13,12 @@ import torch
 
 from tests.triton_interp import CUDA, DEV, load
 
-conv_triton = load("statecache.conv_triton", "_conv_chunk_kernel")
-gdn_triton = load("statecache.gdn_triton", "_delta_chunk_kernel")
-span_triton = load("statecache.span_triton", "_span_batch_kernel")
+conv_triton = load("statecache.kernels.conv", "_conv_chunk_kernel")
+gdn_triton = load("statecache.kernels.gdn", "_delta_chunk_kernel")
+span_triton = load("statecache.kernels.span", "_span_batch_kernel")
 
-from statecache.batch import BatchKernels, BatchKV  # noqa: E402
-from statecache.kernels import TorchKernels  # noqa: E402
+from statecache.kernels.dispatch import TorchKernels  # noqa: E402
+from statecache.run.batch import BatchKernels, BatchKV  # noqa: E402
 
 TOL = 2e-3 if CUDA else 2e-5
 REF = BatchKernels(TorchKernels(), triton=False)
@@ -75,7 +75,7 @@ def test_delta_batch_snapshots():
     """States kept inside sequences (at multiples of 64 tokens, in any slot order) equal the state of a run over the
     sequence's first tokens only; sequences without snapshots and the final states are as without them; the eager
     loop's snapshots agree."""
-    from statecache.batch import Snaps
+    from statecache.run.batch import Snaps
 
     g = torch.Generator().manual_seed(5)
     lens, Hk, Hv = [200, 70, 5, 128], 2, 4

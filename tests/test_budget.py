@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from statecache import budget as B
-from statecache.cache import CacheSettings
-from statecache.checkpoints import real_shape
-from statecache.config import parse_config
+from statecache.cache import budget as B
+from statecache.cache.store import CacheSettings
+from statecache.dev.checkpoints import real_shape
 from statecache.engine import Engine
+from statecache.model.config import parse_config
 
 GIB = 2**30
 

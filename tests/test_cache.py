@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from statecache.cache import Answer
+from statecache.cache.store import Answer
 from tests.cache_util import (VOCAB, assert_close, checked, down, index_bytes_recount, make_steps, one_thread,
                               reference, run_rows, small_model, toks)
 
@@ -62,7 +62,7 @@ def question(n: int, seed: int) -> list[int]:
 
 
 def _planned(c0: int, state_len: int, stride=128, tail=16, align=64) -> set[int]:
-    """Section 2's checkpoint positions of a row restored at c0 (independent of statecache.index.plan_chunks)."""
+    """Section 2's checkpoint positions of a row restored at c0 (independent of statecache.cache.index.plan_chunks)."""
     p = down(state_len, align)
     want = {p, down(p - tail, align)} | {down(k, align) for k in range(stride, p, stride)}
     return {x for x in want if x > c0}

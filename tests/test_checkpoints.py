@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from statecache import checkpoints, tiny
-from statecache.checkpoints import checkpoint_layout, load_reference, make_checkpoint, real_shape
+from statecache.dev import checkpoints, tiny
+from statecache.dev.checkpoints import checkpoint_layout, load_reference, make_checkpoint, real_shape
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -213,7 +213,7 @@ chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = _triton
 
 
 def test_tiny_folders_build_on_a_gpu_host_with_fla(tmp_path, tiny_dir):
-    """`python -m statecache.tiny specialists` on a host where CUDA is available and fla imports (both simulated in
+    """`python -m statecache.dev.tiny specialists` on a host where CUDA is available and fla imports (both simulated in
     a fresh process): the specialists folder is built on the CPU (a forward of the tiny model for the router) through
     transformers' torch code, never handing CPU tensors to fla's kernels; a reference loaded there answers too."""
     import shutil
@@ -228,8 +228,8 @@ def test_tiny_folders_build_on_a_gpu_host_with_fla(tmp_path, tiny_dir):
     home = tmp_path / "home"
     shutil.copytree(tiny_dir, home / tiny.NAME)  # the model itself is copied: only the specialists are built
     code = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; import fla.ops.gated_delta_rule; "
-            "sys.argv = ['statecache.tiny', 'specialists']; runpy.run_module('statecache.tiny', run_name='__main__'); "
-            "from statecache.checkpoints import load_reference; from statecache.tiny import tiny_model_dir; "
+            "sys.argv = ['statecache.dev.tiny', 'specialists']; runpy.run_module('statecache.dev.tiny', run_name='__main__'); "
+            "from statecache.dev.checkpoints import load_reference; from statecache.dev.tiny import tiny_model_dir; "
             "print(load_reference(tiny_model_dir())(torch.arange(70)[None]).logits.shape)")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "STATECACHE_HOME": str(home), "PYTHONPATH": os.pathsep.join([str(stub), str(root)])}
@@ -248,7 +248,7 @@ def test_hf_qwen3_5_refuses_the_other_binding():
 
     root = Path(__file__).resolve().parents[1]
     for first, then in (("True", "False"),):
-        code = (f"from statecache.checkpoints import hf_qwen3_5\nm = hf_qwen3_5(kernels={first})\n"
+        code = (f"from statecache.model.hf import hf_qwen3_5\nm = hf_qwen3_5(kernels={first})\n"
                 f"assert hf_qwen3_5(kernels=None) is m and hf_qwen3_5(kernels={first}) is m\n"
                 f"try:\n    hf_qwen3_5(kernels={then})\nexcept RuntimeError as e:\n    print('refused:', e)\n")
         done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,

@@ -5,11 +5,11 @@ fails to compile would fall back to eager, so the test also asserts every piece 
 
 from __future__ import annotations
 
-from statecache.batch import BatchRunner
-from statecache.cache import CacheSettings, StateCache
-from statecache.kernels import TorchKernels
-from statecache.model import Qwen35
-from statecache.policy import PlantWhenItFits
+from statecache.cache.policy import PlantWhenItFits
+from statecache.cache.store import CacheSettings, StateCache
+from statecache.kernels.dispatch import TorchKernels
+from statecache.model.forward import Qwen35
+from statecache.run.batch import BatchRunner
 from statecache.step import Steps
 from tests.cache_util import assert_close, one_thread, reference, run_rows, small_model, toks
 

@@ -1,4 +1,4 @@
-"""statecache.conv_triton.conv_chunk against the generic chunk conv (TorchKernels.conv_into).
+"""statecache.kernels.conv.conv_chunk against the generic chunk conv (TorchKernels.conv_into).
 
 Without CUDA the kernel runs in Triton's interpreter (float32, within 1e-5); with CUDA, compiled, in float32 and bf16.
 """
@@ -10,9 +10,9 @@ import torch
 
 from tests.triton_interp import CUDA, DEV, load
 
-conv_triton = load("statecache.conv_triton", "_conv_chunk_kernel")
+conv_triton = load("statecache.kernels.conv", "_conv_chunk_kernel")
 
-from statecache.kernels import TorchKernels  # noqa: E402
+from statecache.kernels.dispatch import TorchKernels  # noqa: E402
 
 REF = TorchKernels()
 

@@ -12,11 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-from statecache.cache import CacheSettings
+from statecache.cache.index import DEVICE
+from statecache.cache.policy import ColdContext
+from statecache.cache.store import CacheSettings
 from statecache.engine import RETRIES_CACHED, Engine
-from statecache.index import DEVICE
-from statecache.policy import ColdContext
-from statecache.text import encode_text_row
+from statecache.rows.text import encode_text_row
 from tests.cache_util import assert_close, one_thread
 
 Q = [
@@ -374,7 +374,7 @@ def test_score_reads_a_line_as_json_does():
     """statecache score's reader (orjson first) means what json.loads means and fails where it fails; NaN (orjson
     refuses it) goes through json; an int past 64 bits still gets a clear error from the row checks."""
     from statecache.cli import loads_line
-    from statecache.rows import RowError, check_row
+    from statecache.rows.check import RowError, check_row
 
     for text in ['{"ids": [1, 2, 3], "state_len": 2, "slots": [2], "nopts": [4]}', '[1, 2.5, "x", null, true, -7]',
                  '{"x": NaN}', '  {"a": {"b": [1e3, 9223372036854775807]}}  ', '"\\u00e9"']:

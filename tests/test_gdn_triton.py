@@ -1,4 +1,4 @@
-"""statecache.gdn_triton.delta_chunk against kernels.delta_rule_reference, float32, within 1e-4.
+"""statecache.kernels.gdn.delta_chunk against kernels.delta_rule_reference, float32, within 1e-4.
 
 Without CUDA the kernel runs in Triton's interpreter (tests.triton_interp sets TRITON_INTERPRET=1 before triton
 and the module are imported); with CUDA it runs compiled, its dots in tf32x3 so that float32 tolerances hold.
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from tests.triton_interp import CUDA, DEV, load
 
-gdn = load("statecache.gdn_triton", "_delta_chunk_kernel")
+gdn = load("statecache.kernels.gdn", "_delta_chunk_kernel")
 
-from statecache.kernels import delta_rule_reference  # noqa: E402
+from statecache.kernels.dispatch import delta_rule_reference  # noqa: E402
 
 if not CUDA:
     from triton.language import standard

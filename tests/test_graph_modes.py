@@ -1,7 +1,7 @@
 """Graph mode on the CPU: a stand-in for CUDA graph capture (`ReplayGraph`, the `fake_graphs` fixture: its "graph"
 re-runs the captured function and writes into the captured output, exactly what a replay means), which
 tests/triton_interp.py and the batched runner's graph tests use; and the answer slots' options as a graph's input
-buffer holds them (statecache.graphs)."""
+buffer holds them (statecache.run.graphs)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import statecache.graphs as graphs_mod
-from statecache.graphs import MAX_OPTIONS, fill_options
+import statecache.run.graphs as graphs_mod
+from statecache.run.graphs import MAX_OPTIONS, fill_options
 from tests.cache_util import one_thread
 
 
@@ -26,7 +26,7 @@ class ReplayGraph:
 
 @pytest.fixture
 def fake_graphs(monkeypatch):
-    """statecache.graphs.capture replaced by ReplayGraph; calls["fail"]: output lengths whose capture is refused."""
+    """statecache.run.graphs.capture replaced by ReplayGraph; calls["fail"]: output lengths whose capture is refused."""
     calls = {"captures": [], "fail": set()}
 
     def capture(fn, pool, warmup=2):

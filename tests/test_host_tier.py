@@ -1,4 +1,4 @@
-"""The host tier (statecache.index's two tiers, statecache.tiers.HostPool), follow-ups protected, fork points.
+"""The host tier (statecache.cache.index's two tiers, statecache.cache.tiers.HostPool), follow-ups protected, fork points.
 
 On the CPU the host tier is the same code with plain host tensors: a checkpoint evicted from the device budget is
 copied into the pool, and copied back (promoted) when a row needs it. Rows run through the step loop
@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statecache.budget import HOST_DEFAULT_MAX_MB, MIB, host_budget
-from statecache.cache import Answer, CacheSettings
+from statecache.cache.budget import HOST_DEFAULT_MAX_MB, MIB, host_budget
+from statecache.cache.index import DEVICE, HOST, CheckpointIndex
+from statecache.cache.store import Answer, CacheSettings
+from statecache.cache.tiers import HostPool
 from statecache.engine import Engine
-from statecache.index import DEVICE, HOST, CheckpointIndex
-from statecache.tiers import HostPool
 from tests.cache_util import assert_close, make_steps, one_thread, reference, run_rows, toks
 
 import torch

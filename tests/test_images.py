@@ -1,4 +1,4 @@
-"""Rows with images, on the tiny model with a vision tower (statecache.tiny.tiny_vl_model_dir: every parameter of
+"""Rows with images, on the tiny model with a vision tower (statecache.dev.tiny.tiny_vl_model_dir: every parameter of
 text model and tower perturbed), against transformers' own Qwen3_5ForConditionalGeneration in float32 on the CPU,
 every row through the engine's step loop (a piece holding image tokens in an eager forward of its own, exact or with
 its shapes bucketed and padding masked as on the GPU): one and two images, in the state and in the question, plain
@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from statecache import images as images_mod
-from statecache.cache import CacheSettings
-from statecache.checkpoints import load_reference
+from statecache.cache.store import CacheSettings
+from statecache.dev.checkpoints import load_reference
+from statecache.dev.tiny import tiny_model_dir, tiny_vl_model_dir
 from statecache.engine import Engine
-from statecache.images import PLACEHOLDER, positions
-from statecache.rows import check_row
-from statecache.tiny import tiny_model_dir, tiny_vl_model_dir
+from statecache.rows import images as images_mod
+from statecache.rows.check import check_row
+from statecache.rows.images import PLACEHOLDER, positions
 from tests.cache_util import answer_in_waves, assert_close, make_steps, one_thread
 from tests.oracle_util import option_ids
 
@@ -136,7 +136,7 @@ def test_positions_equal_transformers_get_rope_index(model_dir, ref):
     want, _ = ref.model.get_rope_index(ids, mm_token_type_ids=(ids == eng.images.image_token_id).int(), image_grid_thw=grids)
     got = positions(len(row["ids"]), row["images"], eng.images.merge)
     assert np.array_equal(got, want[:, 0].numpy())
-    from statecache.vision import RowImages
+    from statecache.run.images import RowImages
 
     mm = RowImages(row["ids"], row["images"], eng.embeddings, "cpu")
     for s in range(len(row["ids"])):  # the text shift a chunk from s runs with, without the positions
@@ -397,13 +397,13 @@ class _ReplayGraph:
 
 @pytest.fixture
 def batch_graphs(monkeypatch):
-    """statecache.batch's CUDA graphs on this machine: the Triton batch kernels (in the interpreter without CUDA)
+    """statecache.run.batch's CUDA graphs on this machine: the Triton batch kernels (in the interpreter without CUDA)
     and capture replaced by a stand-in graph that replays the forward (one warm-up run: the interpreter is slow)."""
-    import statecache.graphs as graphs_mod
+    import statecache.run.graphs as graphs_mod
     from tests.triton_interp import load
 
-    for mod, kernel in (("statecache.conv_triton", "_conv_chunk_kernel"), ("statecache.gdn_triton", "_delta_chunk_kernel"),
-                        ("statecache.span_triton", "_span_batch_kernel")):
+    for mod, kernel in (("statecache.kernels.conv", "_conv_chunk_kernel"), ("statecache.kernels.gdn", "_delta_chunk_kernel"),
+                        ("statecache.kernels.span", "_span_batch_kernel")):
         load(mod, kernel)
 
     def capture(fn, pool, warmup=2):
@@ -418,8 +418,8 @@ def batch_graphs(monkeypatch):
 def graph_steps(eng: Engine, specialists=None):
     """The step loop over `eng`'s model with a batched runner in graph mode (the `batch_graphs` stand-ins) and a
     cache of its own."""
-    from statecache.batch import BatchRunner
-    from statecache.kernels import TorchKernels
+    from statecache.kernels.dispatch import TorchKernels
+    from statecache.run.batch import BatchRunner
 
     runner = BatchRunner(eng.model, TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=1024,
                          tokens=(64, 128, 256), specialists=specialists)
@@ -431,7 +431,7 @@ def graph_steps(eng: Engine, specialists=None):
 def step_row(steps, eng: Engine, raw: dict):
     """One raw row checked as the engine checks it (with its RowImages) and run through `steps` -> (its Answer, the
     checked row)."""
-    from statecache.vision import RowImages
+    from statecache.run.images import RowImages
 
     row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images, as_array=True)
     row["mm"] = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)
@@ -502,7 +502,7 @@ def test_image_state_planted_in_one_piece_equals_one_planted_over_several_steps(
     """A new image state's checkpoints kept inside one piece (snapshots of the eager image forward) equal those kept
     at the ends of 64-token pieces over several steps: their conv tails, GDN states and K/V (rotated at the
     multimodal positions), filed under the row's image key tokens, not its token ids."""
-    from statecache.vision import RowImages
+    from statecache.run.images import RowImages
 
     raw = {"state": f"{WORDS * 2}{PLACEHOLDER}{WORDS * 3}", "questions": [q("Which field?")], "images": [png(110)]}
     settings = CacheSettings(min_prefix=64, stride=64, host_mb=0)
@@ -532,7 +532,7 @@ def test_image_state_planted_in_one_piece_equals_one_planted_over_several_steps(
 def vl_specialists(model_dir, tmp_path_factory):
     """A random 3-route specialists folder for the tiny model with a vision tower (adapters on the text layers); the
     router's bias keeps it off the trunk, so the image rows below pick both adapters."""
-    from statecache.specialists.make import make_specialists
+    from statecache.dev.specialists import make_specialists
 
     return make_specialists(model_dir, tmp_path_factory.mktemp("vl-spec"), routes=("trunk", "alpha", "beta"),
                             router_layer=2, seed=12, bias=[0.0, 3.0, 3.0])

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from statecache.index import Checkpoint, CheckpointIndex, Group, plan_chunks
+from statecache.cache.index import Checkpoint, CheckpointIndex, Group, plan_chunks
 
 
 def toks(n: int, seed: int = 0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""statecache.loader / statecache.config on checkpoints written by transformers (tests.oracle_util.CONFIGS).
+"""statecache.model.loader / statecache.model.config on checkpoints written by transformers (tests.oracle_util.CONFIGS).
 
 Both layouts, single file and sharded; extra multi-token-prediction and vision weights are never read; a missing
 weight or a config that is not Qwen3.5 fails with an error naming it; fused projections equal the concatenation of
@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from statecache import loader
-from statecache.config import ConfigError, load_config, parse_config
-from statecache.loader import CheckpointError, load_weights, weights_from_state_dict
+from statecache.model import loader
+from statecache.model.config import ConfigError, load_config, parse_config
+from statecache.model.loader import CheckpointError, load_weights, weights_from_state_dict
 from tests.oracle_util import CONFIGS, LETTERS, VOCAB, build_checkpoint
 
 NAMES = {  # (layout, sharded, tied) -> a config of tests.oracle_util with it
@@ -342,7 +342,7 @@ def test_fused_weights_are_the_separate_ones(pristine, name):
 
 def test_state_dict_source_equals_files(pristine):
     """weights_from_state_dict (transformers' own model's state dict) builds the same weights as the files."""
-    from statecache.checkpoints import load_reference
+    from statecache.dev.checkpoints import load_reference
 
     path = pristine("cond_untied_sharded")
     ref = load_reference(path)

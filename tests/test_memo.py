@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from statecache.memo import Memo, row_key
+from statecache.rows.memo import Memo, row_key
 
 
 def result(p: float = 0.25) -> dict:

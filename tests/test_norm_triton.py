@@ -1,4 +1,4 @@
-"""statecache.norm_triton against the model's eager pieces (add_rmsnorm, silu_mul).
+"""statecache.kernels.norm against the model's eager pieces (add_rmsnorm, silu_mul).
 
 Without CUDA the kernels run in Triton's interpreter (float32); with CUDA, compiled, in float32 and bf16.
 """
@@ -10,9 +10,9 @@ import torch
 
 from tests.triton_interp import CUDA, DEV, load
 
-norm_triton = load("statecache.norm_triton", "_add_rmsnorm_kernel")
+norm_triton = load("statecache.kernels.norm", "_add_rmsnorm_kernel")
 
-from statecache import model  # noqa: E402
+from statecache.model import forward as model  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 

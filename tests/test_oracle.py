@@ -27,12 +27,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from statecache.batch import BatchRunner
-from statecache.cache import CacheSettings
-from statecache.checkpoints import hf_qwen3_5, load_reference, make_checkpoint
-from statecache.kernels import TorchKernels, delta_rule_reference
-from statecache.loader import load_weights
-from statecache.model import Qwen35
+from statecache.cache.store import CacheSettings
+from statecache.dev.checkpoints import load_reference, make_checkpoint
+from statecache.kernels.dispatch import TorchKernels, delta_rule_reference
+from statecache.model.forward import Qwen35
+from statecache.model.hf import hf_qwen3_5
+from statecache.model.loader import load_weights
+from statecache.run.batch import BatchRunner
 from statecache.step import Steps
 from tests.cache_util import make_steps, run_rows
 from tests.oracle_util import CONFIGS, LETTERS, VOCAB, Reference, build_checkpoint, max_abs_diff, random_ids
@@ -65,7 +66,7 @@ def case(request, tmp_path_factory) -> Case:
     if name == "tiny":
         from transformers import AutoTokenizer
 
-        from statecache import tiny
+        from statecache.dev import tiny
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("STATECACHE_HOME", str(tmp_path_factory.mktemp("home")))
@@ -342,7 +343,7 @@ def test_delta_rule_padding_is_a_no_op():
 @pytest.mark.parametrize("L,P,start,Hq,Hkv", [(16, 256, 100, 8, 2), (64, 512, 448, 4, 4), (5, 128, 0, 6, 3)])
 def test_grouped_span_attention_matches_reference(L, P, start, Hq, Hkv):
     """The GPU's short-chunk attention (batched matmuls per KV head group) equals the masked SDPA reference."""
-    from statecache.kernels import TorchKernels, attend_grouped
+    from statecache.kernels.dispatch import TorchKernels, attend_grouped
 
     g = torch.Generator().manual_seed(L + P)
     q = torch.randn(L, Hq, 32, generator=g)
@@ -385,7 +386,7 @@ def test_rows_continue_from_states_planted_in_one_packed_step_match_transformers
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
     """The engine over the built-in tiny model, and transformers' model of it with the tokenizer's letters."""
-    from statecache import tiny
+    from statecache.dev import tiny
     from statecache.engine import Engine
 
     with pytest.MonkeyPatch.context() as mp:

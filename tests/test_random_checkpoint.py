@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from statecache.checkpoints import load_reference
+from statecache.dev.checkpoints import load_reference
 from statecache.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Several workers on one Redis (worker.routing, statecache.routing): fingerprints as the engine's index and a row
+"""Several workers on one Redis (worker.routing, statecache.cache.routing): fingerprints as the engine's index and a row
 see them, the routing decision, and real worker processes on the tiny model through a real Redis: an agent's rows
 keep reaching the worker that holds its state, a worker SIGKILLed with rows in flight loses none, a joining worker
 takes new states."""
@@ -16,9 +16,9 @@ import pytest
 import redis as redis_sync
 from arq.connections import RedisSettings, create_pool
 
+from statecache.cache.routing import FingerprintLedger, choose, home, home_key, prefix_fingerprints
 from statecache.protocol import (IN_PROGRESS_KEY_PREFIX, deserialize, fingerprints_key, live_key, private_queue,
                                  serialize, workers_key)
-from statecache.routing import FingerprintLedger, choose, home, home_key, prefix_fingerprints
 from statecache.settings import Settings
 from tests.harness import WorkerProcess, wait_for
 

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from statecache.cache.routing import FingerprintLedger
 from statecache.protocol import (IN_PROGRESS_KEY_PREFIX, JOB_KEY_PREFIX, RESULT_KEY_PREFIX, draining_key, live_key,
                                  private_queue, workers_key)
-from statecache.routing import FingerprintLedger
 from statecache.settings import Settings
 from worker.routing import PARKED_MS, Router
 

@@ -14,9 +14,9 @@ import pytest
 import redis.asyncio as redis_async
 from arq.connections import RedisSettings, create_pool
 
-import statecache.text as text
+import statecache.rows.text as text
+from statecache.cache.routing import FingerprintLedger
 from statecache.protocol import JOB_KEY_PREFIX, deserialize, live_key, private_queue, serialize
-from statecache.routing import FingerprintLedger
 from statecache.settings import Settings
 from tests.harness import InProcessWorker
 from worker.routing import Router

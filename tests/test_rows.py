@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statecache.rows import RowError, check_row, check_token_row, error_result, is_text_row
+from statecache.protocol import error_result
+from statecache.rows.check import RowError, check_row, check_token_row, is_text_row
 
 VOCAB, MAX = 100, 64
 

@@ -93,6 +93,37 @@ def test_no_import_circles_in_statecache():
     assert not circles, circles[:5]
 
 
+# statecache's subpackages and what each must not import (lazy imports included): every arrow runs down, from the
+# engine and its step loop (the top) through run/ and sched/ to the cache, rows, the model and its kernels.
+TOP = {"engine", "step", "cli"}
+LAYER_RULES = {
+    "kernels": {"model", "rows", "cache", "sched", "run", "dev"} | TOP,
+    "model": {"rows", "cache", "sched", "run", "dev"} | TOP,  # the model knows nothing of rows or the cache
+    "rows": {"model", "kernels", "cache", "sched", "run", "dev"} | TOP,
+    "cache": {"run", "sched", "rows", "kernels", "dev"} | TOP,  # the store of states runs nothing
+    "sched": {"run", "model", "kernels", "rows", "dev"} | TOP,  # plans without tensors (and without torch, below)
+    "run": {"cache", "sched", "dev"} | TOP,  # runs what it is handed; which states are kept is not its business
+    "dev": {"cache", "sched", "run", "rows"} | TOP,
+}
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_statecache_arrows_run_down():
+    """Each subpackage imports only the ones below it (LAYER_RULES): e.g. cache/ nothing of run/, model/ and kernels/
+    nothing of rows/ or cache/. A new subpackage must be given its place here."""
+    edges = _statecache_imports()
+    layers = {_layer(m) for m in edges if m.count(".")}
+    packages = {p.name for p in (ROOT / "statecache").iterdir() if (p / "__init__.py").exists()}
+    assert packages - {"sched"} <= set(LAYER_RULES) and "sched" in LAYER_RULES, packages - set(LAYER_RULES)
+    bad = sorted(f"{m} -> {t}" for m, ts in edges.items() for t in ts
+                 if _layer(t) in LAYER_RULES.get(_layer(m), set()) and _layer(t) != _layer(m))
+    assert bad == [], bad
+    assert {"kernels", "model", "rows", "cache", "sched", "run", "dev"} <= layers
+
+
 def test_the_library_loads_without_the_service():
     """Importing every statecache module (the CLI included) loads neither the worker nor the producer."""
     mods = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in sources("statecache")]
@@ -146,7 +177,7 @@ def test_rows_doc_names_every_error_code():
 
 
 def test_cache_defaults_agree_with_the_cache():
-    from statecache.cache import CacheSettings
+    from statecache.cache.store import CacheSettings
 
     s, c = Settings(), CacheSettings()
     assert (s.cache_stride, s.cache_tail, s.cache_align, s.cache_min_prefix, s.cache_max_slots) == (
@@ -170,11 +201,11 @@ def test_settings_from_the_environment(caplog):
 
 
 def test_engine_is_built_from_the_settings():
+    from statecache.cache.policy import PlantWhenItFits
     from statecache.engine import Engine
-    from statecache.policy import PlantWhenItFits
 
     s = Settings(cache_mb=3, cache_stride=1024, cache_max_slots=2, max_row_tokens=999, batch=4,
-                 cold_ok="statecache.policy:PlantWhenItFits", cache_fraction=0.5)
+                 cold_ok="statecache.cache.policy:PlantWhenItFits", cache_fraction=0.5)
     e = Engine.from_settings(s)
     assert (e.cache.s.mb, e.cache.s.stride, e.cache.s.max_slots, e.max_row_tokens) == (3, 1024, 2, 999)
     assert e.budget.mb == 3 and e.runner.max_batch == 4

@@ -3,7 +3,7 @@ state, grown states, states changed in the middle, rows the cache cannot take), 
 pipelining depths, driven to the end over the real checkpoint index (IndexView): every row is answered once; no step
 is over its budget or its sequences (but a lone unsplittable piece); each row's pieces are contiguous and cover
 exactly [restored position, n), cut at the alignment, the question in the last; the checkpoints planted are exactly
-statecache.index.plan_chunks' positions; no state is computed twice; new pages go first come first served; a hit
+statecache.cache.index.plan_chunks' positions; no state is computed twice; new pages go first come first served; a hit
 that can run is never left out of a step that runs a page's piece; cold_ok is asked once per new state."""
 
 import random
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statecache.index import plan_chunks, state_end
+from statecache.cache.index import plan_chunks, state_end
 from statecache.sched import COLD, HIT, PARTIAL, PLAIN, IndexView, Layout, Row, Scheduler
 
 BIG = 1 << 40  # bytes: nothing is evicted
@@ -23,7 +23,7 @@ def view_for(layout, budget=BIG):
 
 
 def engine_positions(layout, start, state_len):
-    """The engine's rule, asked of statecache.index directly."""
+    """The engine's rule, asked of statecache.cache.index directly."""
     return plan_chunks(start, state_len, stride=layout.stride, tail=layout.tail, align=layout.align)
 
 

@@ -1,4 +1,4 @@
-"""statecache.span_triton.attend_span against the torch reference (TorchKernels.attend_span).
+"""statecache.kernels.span.attend_span against the torch reference (TorchKernels.attend_span).
 
 Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before the module is imported), in
 float32, within 1e-5. With CUDA: the compiled kernels, float32 (ieee dots) and bf16, and a CUDA-graph replay with
@@ -12,9 +12,9 @@ import torch
 
 from tests.triton_interp import CUDA, DEV, load
 
-span_triton = load("statecache.span_triton", "_span_split_kernel")
+span_triton = load("statecache.kernels.span", "_span_split_kernel")
 
-from statecache.kernels import TorchKernels  # noqa: E402
+from statecache.kernels.dispatch import TorchKernels  # noqa: E402
 
 TOL = 2e-4 if CUDA else 1e-5  # float32: exact-ish dots in the interpreter, ieee dots (other order) on the GPU
 REF = TorchKernels()

@@ -30,15 +30,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from statecache.batch import BatchRunner, Piece
-from statecache.cache import Answer, StateCache
-from statecache.checkpoints import make_checkpoint
-from statecache.config import load_config
-from statecache.kernels import TorchKernels
-from statecache.loader import load_weights
-from statecache.model import Qwen35
-from statecache.specialists import SpecialistsError, TokenRoutes, load_specialists
-from statecache.specialists.make import make_specialists, write_router
+from statecache.cache.store import Answer, StateCache
+from statecache.dev.checkpoints import make_checkpoint
+from statecache.dev.specialists import make_specialists, write_router
+from statecache.kernels.dispatch import TorchKernels
+from statecache.model.config import load_config
+from statecache.model.forward import Qwen35
+from statecache.model.loader import load_weights
+from statecache.model.specialists import SpecialistsError, TokenRoutes, load_specialists
+from statecache.run.batch import BatchRunner, Piece
 from statecache.step import Steps
 from tests.cache_util import (LETTER_IDS, MAX_POS, SHAPE, TOL, assert_close, down, index_bytes_recount, one_thread,
                               make_steps, run_rows, toks)
@@ -543,8 +543,8 @@ def test_engine_and_score_report_routes(monkeypatch, capsys):
     with its checkpoint's route) and a short row the cache does not take answer and route as peft, as does
     `eng.uncached`; `statecache score` reports the routes by name."""
     from statecache.cli import main
+    from statecache.dev.tiny import tiny_model_dir, tiny_specialists_dir
     from statecache.engine import Engine
-    from statecache.tiny import tiny_model_dir, tiny_specialists_dir
 
     sd = tiny_specialists_dir()
     names = json.loads((sd / "router.json").read_text())["routes"]
@@ -690,7 +690,7 @@ def test_an_adapter_folder_that_is_no_route_is_reported(tmp_path, caplog):
     _, _, model, _ = world()
     d = _copy(tmp_path)
     shutil.copytree(d / "beta", d / "delta")
-    with caplog.at_level("WARNING", logger="statecache.specialists"):
+    with caplog.at_level("WARNING", logger="statecache.model.specialists"):
         spec = load_specialists(d, model.cfg)
     assert spec.names == list(ROUTES)
     assert "['delta'] are not routes" in caplog.text
@@ -702,7 +702,7 @@ def test_an_adapter_folder_that_is_no_route_is_reported(tmp_path, caplog):
 def _peft_site(ref: SpecReference, cfg, i: int, site: str, x: torch.Tensor, route: int) -> torch.Tensor:
     """peft's own output of one fused site: its modules' forwards (LoRA layers of the reference PeftModel with the
     route's adapter active, adapters disabled for the trunk) concatenated in the fused row order."""
-    from statecache.specialists import site_modules
+    from statecache.model.specialists import site_modules
 
     block, mods, _ = site_modules(cfg, i)[site]
     layer = ref.pm.get_submodule(f"base_model.model.model.layers.{i}.{block}")

@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from statecache.cache import CacheSettings
+from statecache.cache.store import CacheSettings
 from statecache.engine import Engine
-from statecache.memo import Memo
+from statecache.rows.memo import Memo
 from tests.cache_util import answer_in_waves, assert_close, index_bytes_recount, one_thread
 from tests.test_engine import check
 
@@ -32,7 +32,7 @@ def _threads():
 def engine(step_tokens: int, step_chunk: int, mb: int, routes: bool = False) -> Engine:
     spec = None
     if routes:
-        from statecache.tiny import tiny_specialists_dir
+        from statecache.dev.tiny import tiny_specialists_dir
 
         spec = tiny_specialists_dir()
     return Engine(device="cpu", dtype="float32", step_tokens=step_tokens, step_chunk=step_chunk,

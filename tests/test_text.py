@@ -2,8 +2,8 @@
 
 import pytest
 
-from statecache.rows import RowError, check_token_row
-from statecache.text import ANSWER_CUE, encode_text_row, question_text
+from statecache.rows.check import RowError, check_token_row
+from statecache.rows.text import ANSWER_CUE, encode_text_row, question_text
 
 Q1 = {"text": "Is this a login page?", "options": ["yes", "no"]}
 Q2 = {"text": "What next?", "options": ["click", "type", "scroll"]}
@@ -109,7 +109,7 @@ def test_too_long(chatml_tokenizer):
 
 
 def test_the_tiny_models_tokenizer():
-    from statecache.tiny import build_tokenizer
+    from statecache.dev.tiny import build_tokenizer
 
     tok = build_tokenizer()
     letters = tok.convert_tokens_to_ids(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"))

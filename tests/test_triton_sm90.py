@@ -24,7 +24,7 @@ def _compile(kernel, names, types, consts, num_warps=4):
 
 
 def _mods():
-    from statecache import conv_triton, gdn_triton, span_triton
+    from statecache.kernels import conv as conv_triton, gdn as gdn_triton, span as span_triton
 
     return gdn_triton, conv_triton, span_triton
 

@@ -290,7 +290,7 @@ def test_metrics_read_engine_stats_defensively():
 
 
 def test_metrics_carry_the_cache_tiers():
-    """statecache:cache_tier_* and the host tier's copies from engine.stats()['cache'] (statecache.cache.info)."""
+    """statecache:cache_tier_* and the host tier's copies from engine.stats()['cache'] (statecache.cache.store.info)."""
     from prometheus_client import generate_latest
 
     stats = {"cache": {"bytes": 10, "host_bytes": 30, "device_checkpoints": 2, "host_checkpoints": 5,

@@ -47,15 +47,15 @@ def load(name: str, kernel: str):
 
 
 def batch_graphs_in_interpreter(monkeypatch, refuse=frozenset()) -> None:
-    """statecache.batch's CUDA graphs on this machine: the batch kernels loaded (interpreted without CUDA) and
+    """statecache.run.batch's CUDA graphs on this machine: the batch kernels loaded (interpreted without CUDA) and
     graph capture replaced by a stand-in graph (tests.test_graph_modes.ReplayGraph) that replays the forward; the
     warm-up runs once (the interpreter is slow). A capture whose output has a first dimension in `refuse` (a set the
     test may fill later) fails, as a refused capture would."""
-    import statecache.graphs as graphs_mod
+    import statecache.run.graphs as graphs_mod
     from tests.test_graph_modes import ReplayGraph
 
-    for mod, kernel in (("statecache.conv_triton", "_conv_chunk_kernel"), ("statecache.gdn_triton", "_delta_chunk_kernel"),
-                        ("statecache.span_triton", "_span_batch_kernel")):
+    for mod, kernel in (("statecache.kernels.conv", "_conv_chunk_kernel"), ("statecache.kernels.gdn", "_delta_chunk_kernel"),
+                        ("statecache.kernels.span", "_span_batch_kernel")):
         load(mod, kernel)
 
     def capture(fn, pool, warmup=2):

@@ -47,8 +47,8 @@ from typing import Any
 
 from arq.worker import Retry, Worker
 
+from statecache.cache.routing import FingerprintLedger
 from statecache.protocol import RETRY_KEY_PREFIX, done_channel, error_result, health_key, private_queue, redact
-from statecache.routing import FingerprintLedger
 from statecache.settings import Settings
 from worker.backlog import Backlog
 from worker.gpu_thread import GpuThread, Stopping

@@ -11,11 +11,11 @@ Per row, from the results the GPU thread hands back (so the counts equal the row
   statecache:queue_time_seconds               histogram: enqueue to the row reaching the model
   statecache:engine_time_seconds              histogram: the engine time of the batch the row was in
 From the last `engine.stats()` snapshot (read defensively: absent keys read as 0):
-  statecache:cache_used_bytes, statecache:cache_budget_bytes (the sized budget, statecache.budget),
+  statecache:cache_used_bytes, statecache:cache_budget_bytes (the sized budget, statecache.cache.budget),
   statecache:cache_budget_states_4k, statecache:cache_checkpoints, statecache:cache_evictions_total,
   statecache:graph_captures_total, statecache:graph_capture_seconds_total (the batched runner's graphs;
   precapture included), statecache:batched_forwards_total, statecache:batched_sequences_total (batched
-  continuations, statecache.batch), statecache:engine_load_seconds (weights), statecache:precapture_seconds,
+  continuations, statecache.run.batch), statecache:engine_load_seconds (weights), statecache:precapture_seconds,
   statecache:device_memory_bytes{kind} (allocated, reserved, peak_allocated, free, total; CUDA only),
   statecache:cache_tier_bytes{tier}, statecache:cache_tier_checkpoints{tier} (device, host),
   statecache:cache_restores_total{tier}, statecache:cache_tier_evictions_total{tier,reason},
@@ -85,7 +85,7 @@ def engine_figures(stats: dict) -> dict:
         # rows the cache was asked about, and of those the ones that planted or reused a state
         "cache_rows": _num(cache, "rows"),
         "cache_used_rows": _num(cache, "hits") + _num(cache, "partial") + _num(cache, "cold"),
-        # the two tiers (statecache.index, statecache.tiers): per tier its bytes and checkpoints, restores by tier,
+        # the two tiers (statecache.cache.index, statecache.cache.tiers): per tier its bytes and checkpoints, restores by tier,
         # copies back and their milliseconds, evictions by tier and reason, tokens lost for want of a checkpoint
         "tier_bytes": {"device": _num(cache, "bytes"), "host": _num(cache, "host_bytes")},
         "tier_checkpoints": {"device": _num(cache, "device_checkpoints"), "host": _num(cache, "host_checkpoints")},

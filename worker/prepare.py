@@ -5,7 +5,7 @@ byte-level BPE). On the event loop it stalled the router, arq's poll and the hea
 queue from being recovered by the others), and the engine then tokenised the same row again on the GPU thread.
 Here it runs on one thread of its own (`RowPrep`: a one-thread executor, so at most one row at a time and the engine's
 tokenizer copy is never shared between threads), through the engine's `check_aside` (statecache.engine), which gives
-a CheckedRow (statecache.rows): the row as the engine would check it, or its error. The router checks the rows it
+a CheckedRow (statecache.rows.check): the row as the engine would check it, or its error. The router checks the rows it
 routes (`check_one`, on the row thread through `run`) and remembers those it routes to this worker (`remember`); the `answer` job (worker.jobs) takes the
 remembered one (`take`) or checks its row there, and hands the CheckedRow to the GPU thread, whose engine takes it
 as it is. So every row of this worker is tokenised once, off the loop and off the GPU thread; a row routed here by

@@ -5,14 +5,14 @@ enqueueing to QUEUE. A `Router` task in every worker:
 - beats: its heartbeat key (`live_key`, with a TTL of `route_ttl_s`) holds it live, its id is in `workers_key`, and
   it refreshes QUEUE's health key (what producers and operators check) and its fingerprints hash's TTL;
 - advertises what its cache holds: the engine's index reports plants, hits and evictions to a
-  statecache.routing.FingerprintLedger; the router writes them to its hash (`fingerprints_key`: fingerprint -> last
+  statecache.cache.routing.FingerprintLedger; the router writes them to its hash (`fingerprints_key`: fingerprint -> last
   use, seconds), withdraws evicted ones, and writes all of them again when Redis lost the hash (a restart);
 - dispatches: takes the ready ids of QUEUE, reads each job's row (arq's job key; the payload stays where it is;
   a key of another Redis type is one job that cannot be read), has the engine check and align it on the row thread
   (worker.prepare, `Engine.state_key`: decoding and tokenising never run on the event loop; a row routed to this
   worker is remembered there, so its job does not tokenise it again),
-  fingerprints it (statecache.routing), asks the live workers' hashes for those fingerprints, and lets
-  statecache.routing.choose pick a worker from what they hold and their loads (ids in their queues), the live
+  fingerprints it (statecache.cache.routing), asks the live workers' hashes for those fingerprints, and lets
+  statecache.cache.routing.choose pick a worker from what they hold and their loads (ids in their queues), the live
   workers read afresh each round. Jobs other than `answer` (stats, profile) and jobs it cannot read go to the worker
   that read them. The id moves by `ASSIGN` (a Lua script), which checks the chosen worker is listed and live (else
   the id stays ready in QUEUE and the dispatcher chooses again): into its queue with its score, and it stays in
@@ -20,7 +20,7 @@ enqueueing to QUEUE. A `Router` task in every worker:
   which look for the id in QUEUE, still find it) until its result is stored (`finished`, from arq's after_job_end;
   `SWEEP` for jobs arq ended without running them). arq's job and result keys, and so every producer, are untouched;
 - takes, when idle (nothing in its queue, nothing on its GPU thread), ids that have waited past `route_grace_s` in
-  another worker's queue (statecache.routing.take_from; `MOVE`, from that queue to its own, only while it is live);
+  another worker's queue (statecache.cache.routing.take_from; `MOVE`, from that queue to its own, only while it is live);
 - recovers a dead worker (its id listed, no heartbeat, live or draining): its queue's ids go back to QUEUE and arq's
   in-progress marks of those without a result are cleared, so they run again at once (`RECOVER`, one Lua script: a
   job that has a result is never run again, and a worker whose heartbeat came back is left alone); its hash goes
@@ -38,7 +38,7 @@ targets it), the ids it has not started go back to QUEUE (`HANDBACK`), and what 
 sent back for waiting) too, each round, while arq's drain lets the running ones finish. `close` (arq's shutdown,
 after the drain) RECOVERs what is left on its own queue, its heartbeats deleted first.
 
-Knows Redis, arq's key layout and the worker's GPU thread (busy, pending); the decision is statecache.routing's.
+Knows Redis, arq's key layout and the worker's GPU thread (busy, pending); the decision is statecache.cache.routing's.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ from typing import Any
 
 from arq.utils import timestamp_ms
 
+from statecache.cache.routing import choose, home_key, prefix_fingerprints, take_from
 from statecache.protocol import (IN_PROGRESS_KEY_PREFIX, JOB_ANSWER, JOB_KEY_PREFIX, RESULT_KEY_PREFIX, draining_key,
                                  fingerprints_key, health_key, live_key, private_queue, private_queue_pattern,
                                  workers_key)
-from statecache.routing import choose, home_key, prefix_fingerprints, take_from
 from worker.prepare import RowPrep
 from worker.serial import job_deserializer
 

@@ -1,14 +1,14 @@
 """The step scheduler (DESIGN.md section 4): plans each GPU step under a token budget from rows, their tokens and a
 view of the cache; plain Python, no torch (a rules test holds that for every module here).
 
-- `layout`: where checkpoints sit (the cache's settings, statecache.index's rule);
-- `view`: the `CacheView` interface the scheduler asks, and `IndexView`, one over statecache.index's real index;
+- `layout`: where checkpoints sit (the cache's settings, statecache.cache.index's rule);
+- `view`: the `CacheView` interface the scheduler asks, and `IndexView`, one over statecache.cache.index's real index;
 - `steps`: `Scheduler`, its plan (`Step`, `Piece`) and its finished rows (`Finished`).
 """
 
-from .layout import Layout
-from .steps import COLD, HIT, PARTIAL, PLAIN, Finished, Piece, Row, Scheduler, Step, slots_at_one_position
-from .view import CacheView, IndexView
+from statecache.sched.layout import Layout
+from statecache.sched.steps import COLD, HIT, PARTIAL, PLAIN, Finished, Piece, Row, Scheduler, Step, slots_at_one_position
+from statecache.sched.view import CacheView, IndexView
 
 __all__ = ["Layout", "CacheView", "IndexView", "Scheduler", "Row", "Piece", "Step", "Finished", "HIT", "PARTIAL",
            "COLD", "PLAIN", "slots_at_one_position"]

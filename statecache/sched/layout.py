@@ -1,8 +1,8 @@
-"""Where a state's checkpoints sit, in the engine's own terms: `p` (statecache.index.state_end) and the planted
-positions (statecache.index.plan_chunks: the state end p, p - tail, every multiple of stride below p, rounded down
+"""Where a state's checkpoints sit, in the engine's own terms: `p` (statecache.cache.index.state_end) and the planted
+positions (statecache.cache.index.plan_chunks: the state end p, p - tail, every multiple of stride below p, rounded down
 to align, only those deeper than the restored position). The numbers are the cache's settings
 (statecache.settings.Settings: cache_stride, cache_tail, cache_align; a rules test holds them equal to
-statecache.cache.CacheSettings'); pieces are cut by the scheduler, which plants no extra positions for them. Pure
+statecache.cache.store.CacheSettings'); pieces are cut by the scheduler, which plants no extra positions for them. Pure
 arithmetic, no torch.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..index import plan_chunks, state_end
+from statecache.cache.index import plan_chunks, state_end
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,9 @@ class Layout:
     @classmethod
     def from_settings(cls, settings=None) -> "Layout":
         """The layout of a `statecache.settings.Settings` (default: its defaults) or of anything with the cache's
-        `stride`, `tail`, `align` (statecache.cache.CacheSettings)."""
+        `stride`, `tail`, `align` (statecache.cache.store.CacheSettings)."""
         if settings is None:
-            from ..settings import Settings
+            from statecache.settings import Settings
 
             settings = Settings()
         if hasattr(settings, "cache_stride"):

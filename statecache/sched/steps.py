@@ -23,7 +23,7 @@ stride below p, aligned, deeper than where it restored) in the piece whose range
 `snapshots` False, where a runner cannot keep states inside a piece, each piece ends at the first one it reaches).
 A row may name a route (specialists): it restores only that route's checkpoints and waits only for a computation
 of the same route. A new
-state (nothing restored) asks the `cold_ok` policy (statecache.policy, the one place that decides) once, when its
+state (nothing restored) asks the `cold_ok` policy (statecache.cache.policy, the one place that decides) once, when its
 first piece is granted; declined, it plants nothing, and the rows waiting with the same state are not asked about
 again (they run as it does). A row answers when its last piece has run (`done`).
 A row never computes what another row is computing: a row whose tokens reach a checkpoint that a started
@@ -43,9 +43,9 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from ..policy import ColdContext, ColdPolicy, PlantWhenItFits
-from .layout import Layout
-from .view import CacheView
+from statecache.cache.policy import ColdContext, ColdPolicy, PlantWhenItFits
+from statecache.sched.layout import Layout
+from statecache.sched.view import CacheView
 
 HIT, PARTIAL, COLD, PLAIN = "hit", "partial", "cold", "plain"
 HITS, SHORT, LONG = 0, 1, 2  # the order a step is filled in
@@ -55,14 +55,14 @@ HITS, SHORT, LONG = 0, 1, 2  # the order a step is filled in
 class Row:
     """One row: `ids` its tokens (what the cache knows it by: an image row's key tokens), the first `state_len` of
     them its state; `slots` its answer positions (default: the last token). `cacheable` False: the cache cannot take
-    it (statecache.cache.StateCache.eligible says no): it is computed from 0, looks nothing up and plants nothing."""
+    it (statecache.cache.store.StateCache.eligible says no): it is computed from 0, looks nothing up and plants nothing."""
 
     rid: Hashable
     ids: Sequence[int]
     state_len: int
     slots: Sequence[int] = ()
     cacheable: bool = True
-    forks: tuple = ()  # positions below p where its tokens leave a cached state's (statecache.cache.fork_point): planted
+    forks: tuple = ()  # positions below p where its tokens leave a cached state's (statecache.cache.store.fork_point): planted
     route: int | None = None  # specialists: the route it runs with (it restores and plants that route's checkpoints)
 
     @property

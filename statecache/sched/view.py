@@ -3,7 +3,7 @@
 `CacheView` is the interface (a Protocol): `lookup(ids, limit)` gives the deepest checkpoint (anything with a
 `pos`) whose tokens equal `ids[:pos]` with `pos <= limit`, or None; `touch` marks one used; `planted` records the
 checkpoints a state's pieces passed; `state_bytes`, `budget_bytes`, `used_bytes` are what the `cold_ok` policy reads
-(statecache.policy.ColdContext). `IndexView` implements it over the real `statecache.index.CheckpointIndex`
+(statecache.cache.policy.ColdContext). `IndexView` implements it over the real `statecache.cache.index.CheckpointIndex`
 (token-exact lookup, LRU over checkpoints, bytes counted, evicted to a byte budget) with payloads of None and
 sizes from a byte model handed in: the scheduler's tests and `bench/step_sim.py` use it; the engine's cache (stage 2)
 implements the same interface with its tensors as payloads.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Hashable, Protocol, Sequence
 
-from ..index import CheckpointIndex
-from .layout import Layout
+from statecache.cache.index import CheckpointIndex
+from statecache.sched.layout import Layout
 
 
 class Found(Protocol):
@@ -48,7 +48,7 @@ class CacheView(Protocol):
 
 class IndexView:
     """A `CacheView` over a `CheckpointIndex` of payload-less checkpoints: `ckpt_bytes` per checkpoint (GDN states and
-    conv tails) and `kv_bytes_per_token` per position of a group's K/V (statecache.budget gives both for a shape).
+    conv tails) and `kv_bytes_per_token` per position of a group's K/V (statecache.cache.budget gives both for a shape).
     One group per computing state, opened at its first planted checkpoint and sized for K/V of [0, p)."""
 
     def __init__(self, budget_bytes: int, ckpt_bytes: int, kv_bytes_per_token: int, layout: Layout):
