@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from statecache.cache.store import CacheSettings  # noqa: E402
+from statecache.cache.config import CacheSettings  # noqa: E402
 from statecache.dev.checkpoints import copy_tokenizer, real_shape  # noqa: E402
 from statecache.dev.tiny import tiny_model_dir  # noqa: E402
 from statecache.engine import Engine  # noqa: E402

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from statecache.cache.store import CacheSettings  # noqa: E402
+from statecache.cache.config import CacheSettings  # noqa: E402
 from statecache.dev.checkpoints import checkpoint_layout  # noqa: E402
 from statecache.engine import Engine  # noqa: E402
 from statecache.kernels.dispatch import TorchKernels  # noqa: E402

@@ -34,8 +34,9 @@ import torch
 
 from statecache.cache.budget import (DEFAULT_FRACTION, Budget, DeviceTooSmall, cache_budget, check_fits,
                                      device_free_bytes, forward_workspace_bytes, rebudget)
+from statecache.cache.config import CacheSettings
 from statecache.cache.policy import ColdPolicy, PlantWhenItFits, load_policy
-from statecache.cache.store import Answer, CacheSettings, StateCache
+from statecache.cache.store import Answer, StateCache
 from statecache.kernels.dispatch import kernels_for
 from statecache.model.config import load_config
 from statecache.model.forward import Qwen35

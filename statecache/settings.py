@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from statecache.cache.config import CacheSettings
 from statecache.protocol import JOB_TIMEOUT_S, QUEUE_NAME, redact
 
 log = logging.getLogger("statecache.settings")
@@ -53,11 +54,7 @@ class Settings:
     cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")
     cache_fraction: float = _f(0.9, "STATECACHE_CACHE_FRACTION", "share of free device memory the cache may take when CACHE_MB is unset")
     host_cache_mb: int | None = _f(None, "STATECACHE_HOST_CACHE_MB", "host-memory tier for the states the device budget cannot keep, in MiB (on cuda pinned in 256 MiB slabs, one registered beside each forward after start-up, and kept); 0 turns it off (default: half the host's MemAvailable, at most 256 GiB; logged at start-up)")
-    cache_stride: int = _f(2048, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
-    cache_tail: int = _f(16, "STATECACHE_CACHE_TAIL", "and one this many tokens before the state's end (0: none)")
-    cache_align: int = _f(64, "STATECACHE_CACHE_ALIGN", "checkpoint positions are multiples of this (a multiple of 64, the delta rule's chunk)")
-    cache_min_prefix: int = _f(256, "STATECACHE_CACHE_MIN_PREFIX", "shorter states are not cached (their rows run from nothing: path plain)")
-    cache_max_slots: int = _f(4, "STATECACHE_CACHE_MAX_SLOTS", "answer slots a cached row may have")
+    cache_stride: int = _f(CacheSettings.stride, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
     # --- the worker
     max_jobs: int = _f(32, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
     poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "arq polls the queue this often")
@@ -95,12 +92,10 @@ class Settings:
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
 
-    def cache_settings(self):
-        """statecache.cache.store.CacheSettings from these settings (imports torch)."""
-        from statecache.cache.store import CacheSettings
-
-        kw = dict(stride=self.cache_stride, tail=self.cache_tail, align=self.cache_align,
-                  min_prefix=self.cache_min_prefix, max_slots=self.cache_max_slots)
+    def cache_settings(self) -> CacheSettings:
+        """The cache's settings (statecache.cache.config.CacheSettings): these budgets and stride, the rest (tail,
+        alignment, the shortest state cached, the most slots a cached row has) its own constants."""
+        kw: dict[str, Any] = dict(stride=self.cache_stride)
         if self.cache_mb is not None:
             kw["mb"] = self.cache_mb
         if self.host_cache_mb is not None:

@@ -16,8 +16,9 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from statecache.cache.config import CacheSettings
 from statecache.cache.policy import PlantWhenItFits
-from statecache.cache.store import CacheSettings, StateCache
+from statecache.cache.store import StateCache
 from statecache.dev.checkpoints import make_checkpoint
 from statecache.kernels.dispatch import TorchKernels
 from statecache.model.forward import Qwen35

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from statecache.cache.store import CacheSettings
+from statecache.cache.config import CacheSettings
 from statecache.dev.checkpoints import load_reference
 from statecache.dev.tiny import build_tokenizer
 from statecache.engine import Engine

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from statecache.cache import budget as B
-from statecache.cache.store import CacheSettings
+from statecache.cache.config import CacheSettings
 from statecache.dev.checkpoints import real_shape
 from statecache.engine import Engine
 from statecache.model.config import parse_config

@@ -5,8 +5,9 @@ fails to compile would fall back to eager, so the test also asserts every piece 
 
 from __future__ import annotations
 
+from statecache.cache.config import CacheSettings
 from statecache.cache.policy import PlantWhenItFits
-from statecache.cache.store import CacheSettings, StateCache
+from statecache.cache.store import StateCache
 from statecache.kernels.dispatch import TorchKernels
 from statecache.model.forward import Qwen35
 from statecache.run.batch import BatchRunner

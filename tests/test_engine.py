@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
+from statecache.cache.config import CacheSettings
 from statecache.cache.index import DEVICE
 from statecache.cache.policy import ColdContext
-from statecache.cache.store import CacheSettings
 from statecache.engine import RETRIES_CACHED, Engine
 from statecache.rows.text import encode_text_row
 from tests.cache_util import assert_close, one_thread

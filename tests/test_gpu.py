@@ -48,7 +48,7 @@ def test_conv_and_attention_match_reference(kernels):
 
 
 def test_graph_cached_rows_match_plain_bf16(kernels):
-    from statecache.cache.store import CacheSettings
+    from statecache.cache.config import CacheSettings
     from statecache.engine import Engine
 
     eng = Engine(device="cuda", dtype="bfloat16", settings=CacheSettings(min_prefix=64, stride=128), compile=False)
@@ -73,7 +73,7 @@ def test_graph_cached_image_rows_match_plain_bf16(kernels):
     import numpy as np
     from PIL import Image
 
-    from statecache.cache.store import CacheSettings
+    from statecache.cache.config import CacheSettings
     from statecache.dev.tiny import tiny_vl_model_dir
     from statecache.engine import Engine
 
@@ -100,7 +100,7 @@ def test_specialists_graph_rows_match_plain(kernels):
     """The tiny model with its 3-route specialists on CUDA, float32: cached rows (one chunk graph per shape for
     every route, mispredictions forced through the guess) answer and route as the uncached forward
     (fla's kernels may compute in TF32: a looser tolerance than the CPU tests' 1e-4)."""
-    from statecache.cache.store import CacheSettings
+    from statecache.cache.config import CacheSettings
     from statecache.dev.tiny import tiny_specialists_dir
     from statecache.engine import Engine
 
@@ -126,7 +126,7 @@ def test_specialists_batched_hits_match_plain(kernels):
     """The tiny model with its 3-route specialists on CUDA, float32: hits on several saved states in one batch go
     through the step loop (a route per sequence) and answer and route as the uncached
     forward."""
-    from statecache.cache.store import CacheSettings
+    from statecache.cache.config import CacheSettings
     from statecache.dev.tiny import tiny_specialists_dir
     from statecache.engine import Engine
 
@@ -155,7 +155,7 @@ def test_rows_with_options_through_graphs_match_plain(kernels):
     """Token rows naming their own option ids (issue 25), hits batched with rows of other option sets and nopts rows,
     through the CUDA graphs (keyed without the options: the ids are device inputs each replay reads), answer as the
     uncached forward of the same rows; a second batch with other options replays the same graphs."""
-    from statecache.cache.store import CacheSettings
+    from statecache.cache.config import CacheSettings
     from statecache.engine import Engine
 
     eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128), compile=False)
@@ -193,8 +193,8 @@ def test_rows_restored_from_the_pinned_host_tier_match_plain(kernels):
     """The host tier on CUDA (statecache.cache.tiers.HostPool: slabs registered with the driver beside forwards, copies on
     the pool's own streams): with a device budget that holds about one state, earlier states move to the host and a
     row that returns to one is a hit copied back, answering as the uncached forward of the same row (float32, the tiny model, CUDA graphs)."""
+    from statecache.cache.config import CacheSettings
     from statecache.cache.index import DEVICE
-    from statecache.cache.store import CacheSettings
     from statecache.engine import Engine
 
     eng = Engine(device="cuda", dtype="float32", settings=CacheSettings(min_prefix=64, stride=128, mb=1, host_mb=64),
@@ -232,7 +232,7 @@ def test_waves_through_the_host_tier_with_steps_in_flight_match_plain(kernels):
     waves of rows returning to earlier states while new ones arrive, so copies up (on their own stream, beside the
     step in flight) and copies down (evictions, on theirs) interleave with forwards and with each other; every
     answer is the uncached forward's, and both budgets hold."""
-    from statecache.cache.store import CacheSettings
+    from statecache.cache.config import CacheSettings
     from statecache.engine import Engine
     from tests.cache_util import answer_in_waves
 
@@ -266,7 +266,7 @@ def test_steps_mix_new_pages_hits_and_grown_states_bf16(kernels):
     """The step loop through the batch runner's CUDA graphs (tiny model, bf16): two new pages advance in chunks over
     several steps while hits of an earlier state and a grown state ride beside them; every answer is near the uncached
     forward's, and the pages' planted states are continued from afterwards."""
-    from statecache.cache.store import CacheSettings
+    from statecache.cache.config import CacheSettings
     from statecache.engine import Engine
 
     eng = Engine(device="cuda", dtype="bfloat16", settings=CacheSettings(min_prefix=64, stride=128), compile=False,
@@ -305,7 +305,7 @@ def test_a_9000_token_state_is_cached_through_the_step_bf16(kernels):
     """A 9,000-token state (past the 8,192 tokens of the largest graph's packed tokens)
     through the step loop's CUDA graphs on the tiny model, bf16: planted, then continued from by a hit and by a
     grown state, every answer near the uncached forward's."""
-    from statecache.cache.store import CacheSettings
+    from statecache.cache.config import CacheSettings
     from statecache.engine import Engine
 
     eng = Engine(device="cuda", dtype="bfloat16", settings=CacheSettings(min_prefix=64, stride=1024), compile=False)

@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from statecache.cache.budget import HOST_DEFAULT_MAX_MB, MIB, host_budget
+from statecache.cache.config import CacheSettings
 from statecache.cache.index import DEVICE, HOST, CheckpointIndex
-from statecache.cache.store import Answer, CacheSettings
+from statecache.cache.store import Answer
 from statecache.cache.tiers import HostPool
 from statecache.engine import Engine
 from tests.cache_util import assert_close, make_steps, one_thread, reference, run_rows, toks

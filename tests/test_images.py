@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from statecache.cache.store import CacheSettings
+from statecache.cache.config import CacheSettings
 from statecache.dev.checkpoints import load_reference
 from statecache.dev.tiny import tiny_model_dir, tiny_vl_model_dir
 from statecache.engine import Engine

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from statecache.cache.store import CacheSettings
+from statecache.cache.config import CacheSettings
 from statecache.dev.checkpoints import load_reference, make_checkpoint
 from statecache.kernels.dispatch import TorchKernels, delta_rule_reference
 from statecache.model.forward import Qwen35

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from statecache.cache.config import CacheSettings
 from statecache.cache.policy import ColdContext, PlantWhenItFits
-from statecache.cache.store import CacheSettings
 from statecache.engine import Engine
 from statecache.rows.memo import Memo
 from tests.cache_util import index_bytes_recount, one_thread

@@ -206,7 +206,7 @@ def test_a_joining_worker_takes_new_states_at_once(redis_url, queue_name, tmp_pa
         b = procs[1]
         # 8 new agents, 4 whose home (rendezvous over a and b) is b: without a choice, 8 agents can all hash to a (at
         # the default alignment agents 50-57 do) and b would take rows only by shedding, as the CPU's timing allows
-        align = Settings().cache_align
+        align = Settings().cache_settings().align
         homes = {i: home(home_key(agent_state(i), STATE, align), ["a", "b"]) for i in range(50, 100)}
         new = [agent_state(i) for w in "ab" for i in [i for i, h in homes.items() if h == w][:4]]
         rows = [row(s, 1) for s in old] + [row(s, 0) for s in new]

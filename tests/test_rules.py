@@ -177,11 +177,12 @@ def test_rows_doc_names_every_error_code():
 
 
 def test_cache_defaults_agree_with_the_cache():
-    from statecache.cache.store import CacheSettings
+    from statecache.cache.config import CacheSettings
 
     s, c = Settings(), CacheSettings()
-    assert (s.cache_stride, s.cache_tail, s.cache_align, s.cache_min_prefix, s.cache_max_slots) == (
-        c.stride, c.tail, c.align, c.min_prefix, c.max_slots)
+    assert s.cache_settings() == c  # unset, every field is the cache's own default (the budget sized later)
+    assert dataclasses.asdict(Settings(cache_stride=1024, host_cache_mb=0).cache_settings()) == {
+        **dataclasses.asdict(c), "stride": 1024, "host_mb": 0}
     assert dataclasses.asdict(Settings(cache_mb=7).cache_settings())["mb"] == 7
     assert Settings().cache_settings().mb == c.mb  # unset: the cache's own default (sized from the device later)
 
@@ -204,10 +205,10 @@ def test_engine_is_built_from_the_settings():
     from statecache.cache.policy import PlantWhenItFits
     from statecache.engine import Engine
 
-    s = Settings(cache_mb=3, cache_stride=1024, cache_max_slots=2, max_row_tokens=999, batch=4,
+    s = Settings(cache_mb=3, cache_stride=1024, max_row_tokens=999, batch=4,
                  cold_ok="statecache.cache.policy:PlantWhenItFits", cache_fraction=0.5)
     e = Engine.from_settings(s)
-    assert (e.cache.s.mb, e.cache.s.stride, e.cache.s.max_slots, e.max_row_tokens) == (3, 1024, 2, 999)
+    assert (e.cache.s.mb, e.cache.s.stride, e.max_row_tokens) == (3, 1024, 999)
     assert e.budget.mb == 3 and e.runner.max_batch == 4
     assert isinstance(e.cold_ok, PlantWhenItFits) and e.cache_fraction == 0.5
     unset = Engine.from_settings(Settings(batch=8, cache_stride=1024))  # no CACHE_MB: the budget is the device's

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from statecache.cache.store import CacheSettings
+from statecache.cache.config import CacheSettings
 from statecache.engine import Engine
 from statecache.rows.memo import Memo
 from tests.cache_util import answer_in_waves, assert_close, index_bytes_recount, one_thread

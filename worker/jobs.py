@@ -417,7 +417,7 @@ async def startup(ctx: dict) -> None:
     # scrape that found the key and a 0 here raced the router's start)
     metrics.ready.set(1)
     if worker_id:
-        ledger = FingerprintLedger(settings.cache_align)
+        ledger = FingerprintLedger(settings.cache_settings().align)
         await gpu.call(lambda engine: _observe(engine, ledger))
         ctx["router"] = Router(redis, settings, worker_id, gpu, ledger, metrics, prep=ctx["rows"])
         await ctx["router"].start()

@@ -30,21 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from statecache.cache.budget import MIB, host_available_bytes, host_budget
+from statecache.cache.config import CacheSettings
 from statecache.cache.index import DEVICE, Checkpoint, CheckpointIndex, plan_chunks, state_end
 from statecache.cache.tiers import HostPool
 
 log = logging.getLogger("statecache.cache.store")
-
-
-@dataclass
-class CacheSettings:
-    mb: int = 1024  # LRU bound on everything held (MiB); 0 turns the cached path off
-    stride: int = 2048  # a checkpoint at every multiple of this below the state end (0: none)
-    tail: int = 16  # and one at state end - tail (0: none)
-    align: int = 64  # checkpoint positions and chunk starts: multiples of this (fla's delta-rule chunk)
-    min_prefix: int = 256  # shorter states are not cached (their rows run from nothing: path plain)
-    max_slots: int = 4  # answer slots a cached row may have
-    host_mb: int | None = None  # the host tier's bound (MiB); None: from the host's memory (statecache.cache.budget); 0: off
 
 
 @dataclass

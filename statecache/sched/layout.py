@@ -1,8 +1,7 @@
 """Where a state's checkpoints sit, in the engine's own terms: `p` (statecache.cache.index.state_end) and the planted
 positions (statecache.cache.index.plan_chunks: the state end p, p - tail, every multiple of stride below p, rounded down
 to align, only those deeper than the restored position). The numbers are the cache's settings
-(statecache.settings.Settings: cache_stride, cache_tail, cache_align; a rules test holds them equal to
-statecache.cache.store.CacheSettings'); pieces are cut by the scheduler, which plants no extra positions for them. Pure
+(statecache.cache.config.CacheSettings: stride, tail, align); pieces are cut by the scheduler, which plants no extra positions for them. Pure
 arithmetic, no torch.
 """
 
@@ -10,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from statecache.cache.config import CacheSettings
 from statecache.cache.index import plan_chunks, state_end
 
 
@@ -20,16 +20,10 @@ class Layout:
     align: int
 
     @classmethod
-    def from_settings(cls, settings=None) -> "Layout":
-        """The layout of a `statecache.settings.Settings` (default: its defaults) or of anything with the cache's
-        `stride`, `tail`, `align` (statecache.cache.store.CacheSettings)."""
-        if settings is None:
-            from statecache.settings import Settings
-
-            settings = Settings()
-        if hasattr(settings, "cache_stride"):
-            return cls(settings.cache_stride, settings.cache_tail, settings.cache_align)
-        return cls(settings.stride, settings.tail, settings.align)
+    def from_settings(cls, settings: CacheSettings | None = None) -> "Layout":
+        """The layout of the cache's settings (default: their defaults)."""
+        s = settings if settings is not None else CacheSettings()
+        return cls(s.stride, s.tail, s.align)
 
     def end(self, state_len: int) -> int:
         """p: where the state's deepest checkpoint sits."""
