@@ -175,8 +175,7 @@ class Engine:
         self.phases = {"step_s": 0, "step_rows": 0, "step_cpu_s": 0, "steps": 0}
         self.steps = Steps(self.cache, self.runner, self.cold_ok, budget_tokens=step_tokens, chunk_tokens=step_chunk)
         self._flight: dict = {}  # memo key of a scheduled row -> the tags waiting for it (the first is its own)
-        self._parts: dict = {}  # the parts of split rows in the schedule (`_schedule`): _Part -> None
-        self._wholes: dict = {}  # a split row's key -> its _Whole
+        self._wholes: dict = {}  # a split row's key -> its _Whole (its parts in the schedule: `_schedule`)
         self._retried: dict = {}  # key of a row given back -> its tries so far (`step`)
         if self.cache.host is not None:  # start-up's captures are done: the host tier prepares its slabs meanwhile
             self.cache.host.start()
@@ -313,7 +312,6 @@ class Engine:
             parts = _split(row, self.runner.max_slots)
             self._wholes[key] = _Whole([idx for idx, _ in parts])
             for k, (_, part) in enumerate(parts):
-                self._parts[_Part(key, k)] = None
                 self.steps.add(_Part(key, k), part, fresh=fresh)
             return
         self.steps.add(key, row, fresh=fresh)
@@ -367,7 +365,6 @@ class Engine:
     def _joined(self, part: "_Part", ans):
         """A part of a split row finished -> (the whole's key, its Answer or RowFailed) once every part has, else
         (None, None)."""
-        del self._parts[part]
         whole = self._wholes[part.key]
         whole.got[part.k] = ans
         if any(a is None for a in whole.got):
@@ -388,7 +385,6 @@ class Engine:
         self.steps.clear()
         tags = [tag for waiting in self._flight.values() for tag in waiting]
         self._flight.clear()
-        self._parts.clear()
         self._wholes.clear()
         self._retried.clear()
         return tags

@@ -383,36 +383,12 @@ def test_rope_of_equal_multimodal_positions_is_the_text_rope(model_dir):
     assert not torch.equal(eng.model.rope(p3)[0], c1)
 
 
-class _ReplayGraph:
-    """A stand-in CUDA graph: a replay runs the captured function again into the captured output."""
-
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
-        self.replays = 0
-
-    def replay(self):
-        self.replays += 1
-        self.out.copy_(self.fn())
-
-
 @pytest.fixture
 def batch_graphs(monkeypatch):
-    """statecache.run.batch's CUDA graphs on this machine: the Triton batch kernels (in the interpreter without CUDA)
-    and capture replaced by a stand-in graph that replays the forward (one warm-up run: the interpreter is slow)."""
-    import statecache.run.graphs as graphs_mod
-    from tests.triton_interp import load
+    """statecache.run.batch's CUDA graphs on this machine (tests.triton_interp.batch_graphs_in_interpreter)."""
+    from tests.triton_interp import batch_graphs_in_interpreter
 
-    for mod, kernel in (("statecache.kernels.conv", "_conv_chunk_kernel"), ("statecache.kernels.gdn", "_delta_chunk_kernel"),
-                        ("statecache.kernels.span", "_span_batch_kernel")):
-        load(mod, kernel)
-
-    def capture(fn, pool, warmup=2):
-        out = fn()
-        return _ReplayGraph(fn, out), out
-
-    monkeypatch.setattr(graphs_mod, "capture", capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the-pool")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    batch_graphs_in_interpreter(monkeypatch)
 
 
 def graph_steps(eng: Engine, specialists=None):
