@@ -156,7 +156,7 @@ class Steps:
         chunk -= chunk % a
         budget = min(budget_tokens, runner.max_tokens)
         self.view = CacheView(cache, self._planted)
-        self.sched = Scheduler(self.view, Layout(cache.s.stride, cache.s.tail, a), budget_tokens=budget,
+        self.sched = Scheduler(self.view, Layout.from_settings(cache.s), budget_tokens=budget,
                                chunk_tokens=chunk, max_seqs=runner.max_batch, cold_ok=cold_ok,
                                max_plants_piece=SNAPS_PER_PIECE if snapshots else 1, max_piece=runner.max_piece,
                                max_slots=runner.max_slots, snapshots=snapshots)
