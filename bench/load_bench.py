@@ -1,7 +1,7 @@
 """Agents under load: a synthetic agent trace through the real worker and Redis, one row at a time through
 `statecache score`, and transformers on a sample of the same rows; JSON, a markdown table and plots in --out.
 
-    python bench/load_bench.py --out DIR [--model CKPT] [--agents 1,4,16,64] [--seconds 30] [--rows 0]
+    python bench/load_bench.py --out DIR [--model CKPT] [--agents 1,4,16,64] [--seconds 30] [--warmup-s 10] [--rows 0]
                                [--score-rows 200] [--score-warmup 40] [--hf-rows 16] [--cache-mb N] [--profile-s S]
 
 The trace (`AgentTrace`): each agent has a state `goal | steps | page` of 2-6k tokens (token rows: random ids from
@@ -17,9 +17,13 @@ What runs (in this order, so only one model is on the device at a time):
    STATECACHE_ENGINE / STATECACHE_DEVICE / STATECACHE_DTYPE pass through from the environment). Start-up: the
    process's start to its health key (arq writes it after the worker's start-up hook: engine built, graphs
    captured), and the engine's own weight-load time when its stats report it.
-2. for each agents count: agents run for --seconds (or until --rows answers): rows/s, per-path counts, latency
-   p50/p99 per path (from enqueue to answer: queueing included), tokens reused against an unbounded cache on
-   the same trace (`unbounded_reuse`), failed jobs (exceptions and error results), the worker's counters.
+2. for each agents count: agents run for --warmup-s, untimed, then for --seconds (or until --rows answers): rows/s
+   (answers in the timed stretch over its length), per-path counts, latency p50/p99 per path (from enqueue to
+   answer: queueing included) of the rows sent in it, tokens reused against an unbounded cache on the same trace
+   (`unbounded_reuse`), failed jobs (exceptions and error results), the worker's counters. The warm-up keeps the
+   agents' synchronised first visits (every agent's first page is new, all at once: at 64 agents ~250k tokens,
+   every one of the run's slowest rows) out of a figure meant for a service in its steady state; the same figures
+   over every row from the start are kept beside them (`from_start`).
 3. the worker stops; `python -m statecache.cli score` (its own engine, precaptured) gets a trace of 4 agents'
    rows interleaved, one JSON line at a time, each timed from write to answer; the first --score-warmup rows
    are not timed.
@@ -193,6 +197,8 @@ class Record:
     n: int
     ms: float
     path: str | None = None
+    sent_s: float = 0.0  # from the agents' start
+    done_s: float = 0.0
     reused: int = 0
     computed: int = 0
     probs: list | None = None
@@ -200,7 +206,8 @@ class Record:
     ideal: int = 0
 
 
-def summarise(records: list[Record], elapsed_s: float) -> dict:
+def summarise(records: list[Record], elapsed_s: float, answered: int | None = None) -> dict:
+    """answered: the answers that rows/s counts over elapsed_s (default: every answered record's)."""
     ok = [r for r in records if r.error is None]
     by_path: dict[str, list[float]] = {}
     for r in ok:
@@ -210,7 +217,7 @@ def summarise(records: list[Record], elapsed_s: float) -> dict:
     tokens = sum(r.n for r in ok)
     return {
         "rows": len(ok), "failed": len(records) - len(ok), "seconds": round(elapsed_s, 2),
-        "rows_per_s": round(len(ok) / elapsed_s, 3) if elapsed_s > 0 else None,
+        "rows_per_s": round((len(ok) if answered is None else answered) / elapsed_s, 3) if elapsed_s > 0 else None,
         "paths": {p: len(by_path.get(p, [])) for p in sorted(set(PATHS) | set(by_path))},
         "latency": lat_summary([r.ms for r in ok]),
         "latency_by_path": {p: lat_summary(v) for p, v in sorted(by_path.items())},
@@ -219,6 +226,21 @@ def summarise(records: list[Record], elapsed_s: float) -> dict:
         "reused_of_all_tokens": round(reused / tokens, 4) if tokens else None,
         "errors": Counter(r.error for r in records if r.error).most_common(5),
     }
+
+
+def steady_summary(records: list[Record], elapsed_s: float, warmup_s: float) -> dict:
+    """summarise over the timed stretch after warmup_s: latency of the rows sent in it, rows/s of the answers that
+    came in it; the whole run's figures beside (`from_start`, as every run before --warmup-s counted)."""
+    whole = summarise(records, elapsed_s)
+    if warmup_s <= 0:
+        return {**whole, "warmup_s": 0.0}
+    timed = [r for r in records if r.sent_s >= warmup_s]
+    answered = sum(1 for r in records if r.error is None and r.done_s >= warmup_s)
+    s = summarise(timed, max(elapsed_s - warmup_s, 1e-9), answered)
+    s["warmup_s"] = warmup_s
+    s["from_start"] = {k: whole[k] for k in ("rows", "failed", "seconds", "rows_per_s", "paths", "latency",
+                                             "latency_by_path", "reused_of_all_tokens")}
+    return s
 
 
 # ---- the worker ---------------------------------------------------------------------------------------------------
@@ -283,7 +305,8 @@ async def run_agents(client: Client, trace: AgentTrace, seconds: float, max_rows
                 rec.probs = res["probs"]
             except (RowRejected, AnswerTimeout, WorkerError) as e:
                 rec.error = f"{type(e).__name__}: {str(e)[:120]}"
-            rec.ms = 1e3 * (time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            rec.ms, rec.sent_s, rec.done_s = 1e3 * (t1 - t0), t0 - t_start, t1 - t_start
             rec._row = row  # type: ignore[attr-defined]
             records.append(rec)
             last_done[0] = time.perf_counter()
@@ -347,9 +370,10 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
                                max_state=args.max_state)
             print(f"[load] {n} agents for {args.seconds} s ...", file=sys.stderr, flush=True)
             with GpuBusy() as busy:
-                records, elapsed = await run_agents(client, trace, args.seconds, args.rows, args.job_timeout_s)
-            s = summarise(records, elapsed)
-            s["gpu_busy_pct"] = busy.mean  # nvidia-smi's utilization.gpu over the timed stretch (None: no GPU)
+                records, elapsed = await run_agents(client, trace, args.warmup_s + args.seconds, args.rows,
+                                                    args.job_timeout_s)
+            s = steady_summary(records, elapsed, args.warmup_s)
+            s["gpu_busy_pct"] = busy.mean  # nvidia-smi's utilization.gpu over the run, warm-up too (None: no GPU)
             if args.profile_s > 0:  # after the timed stretch, the agents going on (untimed): the profiler slows it
                 prof = asyncio.ensure_future(client.profile(args.profile_s, rows=40))
                 await run_agents(client, trace, args.profile_s + 1.0, 0, args.job_timeout_s)
@@ -365,14 +389,18 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
             except Exception as e:  # noqa: BLE001
                 s["worker_stats"] = {"error": str(e)}
             s["moves"] = dict(sum((a.moves for a in trace.agents), Counter()))
-            s["records"] = [[r.state_len, round(r.ms, 2), r.path or "failed"] for r in records]
+            s["records"] = [[r.state_len, round(r.ms, 2), r.path or "failed", round(r.sent_s, 3)] for r in records]
             if check is not None and k == 0:
                 ok = [r for r in records if r.probs]
                 check += [(r._row, r.probs, r.path) for r in ok[:: max(1, len(ok) // CHECK_ROWS)][:CHECK_ROWS]]
             out["configs"][str(n)] = s
             save()
+            f = s.get("from_start")
             print(f"[load] {n} agents: {s['rows']} rows, {s['rows_per_s']} rows/s, paths {s['paths']}, "
-                  f"p50 {s['latency']['p50_ms']} ms, hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms, "
+                  f"p50 {s['latency']['p50_ms']} ms, p99 {s['latency']['p99_ms']} ms, "
+                  f"hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms, "
+                  f"cold p50 {s['latency_by_path'].get('cold', {}).get('p50_ms')} ms, "
+                  + (f"from the start {f['rows_per_s']} rows/s p99 {f['latency']['p99_ms']} ms, " if f else "") +
                   f"reused {s['tokens_reused']} of unbounded {s['tokens_reused_unbounded']}, failed {s['failed']}, "
                   f"GPU busy {s['gpu_busy_pct']}%, "
                   f"worker timing {s['worker_stats'].get('worker', {}).get('timing')}, "
@@ -581,6 +609,12 @@ def markdown(res: dict) -> str:
                      + f" | {fmt(s['latency']['p50_ms'])} | {fmt(s['latency']['p99_ms'])} | {fmt(hit.get('p50_ms'))} | "
                      f"{fmt(hit.get('p99_ms'))} | {fmt(s['reused_vs_unbounded'])} | {fmt(s['reused_of_all_tokens'])} | "
                      f"{fmt(s.get('gpu_busy_pct'))} |")
+    starts = [(n, s["warmup_s"], s["from_start"]) for n, s in cfgs.items() if s.get("from_start")]
+    if starts:  # the same runs counted from the agents' start, synchronised first visits included
+        lines += ["", "Rows sent after a warm-up of " + ", ".join(f"{w:g} s ({n} agents)" for n, w, _ in starts)
+                  + "; counted from the start instead: " + "; ".join(
+                      f"{n} agents {fmt(f['rows_per_s'])} rows/s, p50 {fmt(f['latency']['p50_ms'])} ms, "
+                      f"p99 {fmt(f['latency']['p99_ms'])} ms" for n, _, f in starts)]
     phases = [(n, s.get("worker_stats", {}).get("engine", {}).get("phases")) for n, s in cfgs.items()]
     if any(ph for _, ph in phases):  # the engine's wall seconds per phase since start-up (Engine.stats()["phases"])
         lines += ["", "Where the engine's time went, since start-up (seconds, rows; steps: the rows they finished): "
@@ -655,7 +689,7 @@ def plots(res: dict, out: Path) -> list[str]:
                    "failed": "black"}
         for ax, (title, recs) in zip(axes[0], sets):
             for path, c in colours.items():
-                pts = [(s, ms) for s, ms, p in recs if p == path]
+                pts = [(r[0], r[1]) for r in recs if r[2] == path]
                 if pts:
                     ax.scatter(*zip(*pts), s=6, c=c, label=path, alpha=0.6)
             ax.set_title(title)
@@ -698,7 +732,9 @@ def parse_args(argv=None):
                     help="first write a random checkpoint of this released shape (9B, 2B, 0.8B) with "
                          "bench/random_checkpoint.py into --model (default: a folder under --out's parent's tmp)")
     ap.add_argument("--agents", default="1,4,16,64", help="comma-separated agent counts")
-    ap.add_argument("--seconds", type=float, default=30.0, help="per agents count")
+    ap.add_argument("--seconds", type=float, default=30.0, help="per agents count: the timed stretch")
+    ap.add_argument("--warmup-s", type=float, default=10.0,
+                    help="per agents count: the agents run this long before the timed stretch (0: time from the start)")
     ap.add_argument("--rows", type=int, default=0, help="stop an agents count after this many answers (0: no limit)")
     ap.add_argument("--score-rows", type=int, default=200, help="rows through statecache score (0: skip)")
     ap.add_argument("--score-warmup", type=int, default=40)

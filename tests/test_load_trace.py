@@ -41,3 +41,27 @@ def test_trace_shape():
     assert moves["grow"] > moves["replace"] > 0
     reuse = L.unbounded_reuse(rows)
     assert sum(reuse) > 0.8 * sum(r.state_len for r in rows[3:]) * 0.8
+
+
+def test_steady_summary_leaves_the_warm_up_out():
+    """Latency counts the rows sent after the warm-up; rows/s the answers that came after it, over the timed stretch;
+    the whole run is kept beside (`from_start`)."""
+    L = _bench()
+
+    def rec(sent, ms, path="hit", error=None):
+        r = L.Record(0, 100, 110, ms, path, sent_s=sent, done_s=sent + ms / 1e3, error=error)
+        r.ideal = r.reused = 0
+        return r
+
+    records = [rec(0.0, 10500, "cold"),  # a synchronised first visit: sent in the warm-up, answered after it
+               rec(1.0, 100), rec(4.5, 100),  # both in the warm-up
+               rec(9.5, 1000, "partial"),  # sent in the warm-up, answered in the timed stretch
+               rec(11.0, 200), rec(12.0, 300), rec(13.0, 100, error="AnswerTimeout")]
+    s = L.steady_summary(records, 20.0, 10.0)
+    assert s["rows"] == 2 and s["failed"] == 1 and s["paths"]["hit"] == 2 and s["paths"].get("cold", 0) == 0
+    assert s["latency"]["p99_ms"] == 300.0
+    assert s["rows_per_s"] == round(4 / 10.0, 3)  # the cold, the partial and the two hits answered after 10 s
+    assert s["from_start"]["rows"] == 6 and s["from_start"]["latency"]["p99_ms"] == 10500.0
+    assert s["from_start"]["rows_per_s"] == round(6 / 20.0, 3)
+    whole = L.steady_summary(records, 20.0, 0.0)
+    assert whole["rows"] == 6 and "from_start" not in whole
