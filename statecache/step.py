@@ -271,17 +271,26 @@ class Steps:
 
     def _finish(self, flight: "_Flight") -> list[tuple[object, Answer | RowFailed]]:
         """A launched step's end: its answers read (waiting for the device), the scheduler told, the rows it finished
-        returned, its restores unpinned, the cache's budget enforced."""
+        returned, its restores unpinned, the cache's budget enforced. A forward whose answers cannot be read gives
+        its rows back (`retry`: the engine schedules them again) before the scheduler is told; the step's other
+        forwards stand."""
         sec, t0 = self.seconds, time.perf_counter()
+        out: list = []
         for items, wait in flight.reads:
-            probs = wait().numpy()
+            try:
+                probs = wait().numpy()
+            except Exception as e:  # noqa: BLE001 - the forward's rows are given back, the step's others stand
+                log.warning("reading a step's answers failed: %s: %s", type(e).__name__, str(e)[:200])
+                for rid in {it[1].rid for it in items} & set(self.live):  # nothing of them planted or answered
+                    out.append(self._fail(rid, RowFailed("retry", f"reading its answers failed ({type(e).__name__}: "
+                                                                   f"{e})")))
+                continue
             for b, (bp, pc, live) in enumerate(items):
                 if bp.slots and live.probs is not None:
                     for k, (j, opts) in enumerate(zip(_slots_in(live, pc.start, pc.end), bp.nopts)):
                         live.probs[j] = probs[b, k, : n_options(opts)].tolist()
         t1 = time.perf_counter()
         sec["read"] += t1 - t0
-        out: list = []
         for fin in self.sched.done(flight.step):
             live = self.live.pop(fin.row.rid)
             self._end(fin.row.rid, live)

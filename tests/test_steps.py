@@ -211,6 +211,60 @@ def test_device_memory_running_out_at_random_forwards_changes_no_answer(seed):
     check(eng, rows, res)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_answers_that_cannot_be_read_give_their_rows_back_and_change_no_answer(seed):
+    """A fault hook makes reading a forward's answers raise (as a device error surfacing when a step is finished
+    would) for a third of the forwards, never twice in a row: that forward's rows are scheduled again, the step's
+    other rows stand, nothing they half-computed is planted, and every row is answered as the plain forward answers
+    it; a row whose answers never read fails alone, with an error result."""
+    eng = fresh(320, 192, 64)
+    rng = np.random.default_rng(seed)
+    real, faults, last = eng.runner.read_later, [0], [False]
+    coin = np.random.default_rng(200 + seed)
+
+    def sometimes_unreadable(out):
+        wait = real(out)
+        if last[0] or coin.random() >= 1 / 3:
+            last[0] = False
+            return wait
+        faults[0] += 1
+        last[0] = True
+
+        def broken():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (fault hook)")
+        return broken
+
+    eng.runner.read_later = sometimes_unreadable
+    try:
+        states: list[list[int]] = []
+        rows, got = [], {}
+        for w in range(5):
+            wave = [{"op": o, "of": int(rng.integers(0, 50)), "new_len": int(rng.integers(64, 700)),
+                     "append": int(rng.integers(1, 200)), "where": float(rng.random()), "qlen": int(rng.integers(2, 20)),
+                     "slots": int(rng.integers(1, 3))} for o in rng.choice(["new", "same", "grow", "middle"], 4)]
+            batch = make_rows(wave, states, rng, note=lambda kind: None)
+            got.update(eng.submit(batch, list(range(len(rows), len(rows) + len(batch)))))
+            rows += batch
+            got.update(eng.step())
+        while eng.pending():
+            got.update(eng.step())
+        assert faults[0] > 0 and eng.counts["retried"] > 0
+        res = [got[i] for i in range(len(rows))]
+        assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
+        check(eng, rows, res)
+        eng.memo = Memo(4096)  # never readable: the row fails alone after its retries, the others are answered
+        eng.runner.read_later = lambda out: (_ for _ in ()).throw(RuntimeError("unreadable (fault hook)"))
+        bad = make_rows([{"op": "new", "of": 0, "new_len": 100, "append": 1, "where": 0.0, "qlen": 5, "slots": 1}],
+                        [], rng, note=lambda kind: None)
+        done = dict(eng.submit(bad, ["bad"]))
+        while eng.pending():
+            done.update(eng.step())
+        assert done["bad"]["error"]["code"] == "internal" and "unreadable" in done["bad"]["error"]["message"]
+    finally:
+        eng.runner.read_later = real
+    assert not eng.pending() and not eng.steps.live
+
+
 def test_states_longer_than_a_pieces_span_are_cached_through_the_step():
     """The step loop takes every row up to the longest a row may be; whether a state may be cached is the cache's
     rule alone (StateCache.eligible): a 1500-token state and one grown past 2000 are planted and continued from,
