@@ -44,11 +44,12 @@ def main(argv=None) -> int:
 
     import msgpack
 
+    from statecache.cache.config import CacheSettings
     from statecache.engine import Engine
     from statecache.rows.check import check_row
     from statecache.rows.memo import row_key
 
-    eng = Engine(None, "cpu", "float32", cache_mb=256)
+    eng = Engine(None, "cpu", "float32", settings=CacheSettings(mb=256))
     rng = random.Random(0)
     n = args.tokens
     ids = [rng.randrange(eng.vocab_size) for _ in range(n + 64)]

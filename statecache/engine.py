@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from statecache.cache.budget import (DEFAULT_FRACTION, Budget, DeviceTooSmall, cache_budget, check_fits,
+from statecache.cache.budget import (Budget, DeviceTooSmall, cache_budget, check_fits,
                                      device_free_bytes, forward_workspace_bytes, rebudget)
 from statecache.cache.config import CacheSettings
 from statecache.cache.policy import ColdPolicy, PlantWhenItFits, load_policy
@@ -74,6 +74,8 @@ GROW_AFTER_S = 120.0
 # a row given back by its step (`retry`: its checkpoint could not come back to the device budget, which the other
 # restores of that step held) is looked up and scheduled again this many times, then runs once from nothing
 RETRIES_CACHED = 4
+MEMO_ENTRIES = 4096  # answers kept by memo key: a job delivered again is answered without running
+MAX_ROW_TOKENS = 32768  # the longest row by default (STATECACHE_MAX_ROW_TOKENS)
 
 
 def _now() -> float:
@@ -81,21 +83,24 @@ def _now() -> float:
 
 
 class Engine:
-    def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, cache_mb: int | None = None,
-                 *, settings: CacheSettings | None = None, memo_entries: int = 4096, max_row_tokens: int = 32768,
-                 compile: bool | None = None, precapture: bool = False, cold_ok: ColdPolicy | None = None,
-                 specialists=None, cache_fraction: float | None = None, batch: int = 64, home: str | None = None,
-                 auto_budget: bool | None = None, step_tokens: int = BUDGET_TOKENS,
-                 step_chunk: int = CHUNK_TOKENS):
+    def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, *,
+                 settings: CacheSettings | None = None, specialists=None, cold_ok: ColdPolicy | None = None,
+                 compile: bool | None = None, precapture: bool = False, batch: int = 64,
+                 max_row_tokens: int = MAX_ROW_TOKENS, step_tokens: int = BUDGET_TOKENS, step_chunk: int = CHUNK_TOKENS):
+        """The model (a checkpoint folder; default: the built-in tiny model) on `device` in `dtype`; the cache as
+        `settings` says (its budget None, the default: sized from the device's free memory once the forwards are in
+        place); a specialists folder; the policy for which new states are planted; torch.compile of the elementwise
+        kernels (default: on CUDA) and CUDA graphs captured before serving; the step loop's shape (sequences a
+        forward, longest row, tokens a step, a new page's chunk). `from_settings` builds it from the service's
+        `Settings`."""
         if model_dir is None:
             from statecache.dev.tiny import tiny_model_dir
 
-            model_dir = tiny_model_dir(home)
-        self.cache_fraction = cache_fraction  # share of free device memory for the cache when cache_mb is None
+            model_dir = tiny_model_dir()
         self.model_dir = str(model_dir)
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda":
-            use_persistent_caches(home)  # before anything compiles or autotunes
+            use_persistent_caches()  # before anything compiles or autotunes (from_settings names the home first)
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -129,11 +134,7 @@ class Engine:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         self.kernels = kernels_for(self.device, compile)
-        if auto_budget is None:  # sized from the device unless the caller gives a figure (cache_mb, else settings.mb)
-            auto_budget = cache_mb is None and settings is None
-        settings = dataclasses.replace(settings or CacheSettings())  # a copy: the caller's stays as it was
-        if cache_mb is not None:
-            settings.mb = cache_mb
+        settings = settings or CacheSettings()
         if settings.align % CHUNK:
             raise ValueError(f"the cache's alignment {settings.align} must be a multiple of {CHUNK} (the delta rule's "
                              "chunk, where the step loop keeps states)")
@@ -161,12 +162,12 @@ class Engine:
 
             self.embeddings = Embeddings(self.images, VisionTower.from_checkpoint(self.model_dir, self.device, self.dtype))
         self._reserved0: int | None = None  # set by _size_cache where the budget comes from the device
-        self.budget = self._size_cache(settings, auto_budget, cache_fraction, self.runner.max_tokens)
+        self.budget = self._size_cache(settings, self.runner.max_tokens)
         self.budget_at_start = self.budget
         self.memory = {"rechecks": 0, "shrunk": 0, "grown": 0, "grow_deferred": 0}  # the budget re-checked while serving
         self._grow_since: float | None = None  # when the free memory first allowed a larger budget (recheck_memory)
         self._recheck_at = 0.0
-        self.memo = Memo(memo_entries)
+        self.memo = Memo(MEMO_ENTRIES)
         self.max_row_tokens = max_row_tokens
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
         self.counts = {"rows": 0, "memo": 0, "plain": 0, "errors": 0, "batches": 0, "plain_tokens": 0, "declined": 0,
@@ -180,12 +181,13 @@ class Engine:
         if self.cache.host is not None:  # start-up's captures are done: the host tier prepares its slabs meanwhile
             self.cache.host.start()
 
-    def _size_cache(self, settings: CacheSettings, auto: bool, fraction: float | None, largest: int) -> Budget:
-        """The cache's bound (statecache.cache.budget): the caller's figure, else on CUDA a fraction of the memory free now
+    def _size_cache(self, settings: CacheSettings, largest: int) -> Budget:
+        """The cache's bound (statecache.cache.budget): the settings' figure, else on CUDA a fraction of the memory free now
         (weights, static buffers and captured graphs are in place) less the largest forward's workspace, else the
         CPU default. Logged in MiB and in 4k-token states."""
         cfg, nbytes = self.model.cfg, torch.tensor([], dtype=self.dtype).element_size()
         free = workspace = None
+        auto = settings.mb is None
         if auto and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # blocks cached after start-up's warm-ups and captures count as free (graphs keep theirs)
@@ -195,8 +197,8 @@ class Engine:
             check_fits(f"the largest forward ({largest} tokens)", workspace, free, "give the worker a device nothing "
                        "else holds, or lower STATECACHE_MAX_ROW_TOKENS")
             self._reserved0 = torch.cuda.memory_reserved(self.device)  # what rebudget counts this process's own from
-        budget = cache_budget(cfg, nbytes, setting_mb=None if auto else settings.mb, free_bytes=free,
-                              workspace_bytes=workspace or 0, fraction=DEFAULT_FRACTION if fraction is None else fraction,
+        budget = cache_budget(cfg, nbytes, setting_mb=settings.mb, free_bytes=free,
+                              workspace_bytes=workspace or 0, fraction=settings.fraction,
                               stride=settings.stride, tail=settings.tail, align=settings.align)
         self.cache.s.mb = budget.mb
         self.cache.index.budget_bytes = budget.mb * 2**20
@@ -210,16 +212,23 @@ class Engine:
     @classmethod
     def from_settings(cls, settings=None, **kw) -> "Engine":
         """The engine a `statecache.settings.Settings` describes (default: `Settings.from_env()`); `kw` overrides.
-        The cache's budget: `cache_mb` when set, else sized from the device (`cache_fraction` of its free memory)."""
+        The cache's budget: `cache_mb` when set, else sized from the device (`cache_fraction` of its free memory).
+        The home (the tiny model, the compile caches) is the settings' own."""
         from statecache.settings import Settings
 
         s = settings if settings is not None else Settings.from_env()
-        args = dict(settings=s.cache_settings(), auto_budget=s.cache_mb is None, compile=s.compile, precapture=s.precapture,
-                    cold_ok=load_policy(s.cold_ok), cache_fraction=s.cache_fraction, specialists=s.specialists,
-                    batch=s.batch, home=s.home, step_tokens=s.step_tokens)
+        if torch.device(s.device or default_device()).type == "cuda":
+            use_persistent_caches(s.home)  # before the engine compiles anything
+        model = s.model
+        if model is None:
+            from statecache.dev.tiny import tiny_model_dir
+
+            model = tiny_model_dir(s.home)
+        args = dict(settings=s.cache_settings(), compile=s.compile, precapture=s.precapture,
+                    cold_ok=load_policy(s.cold_ok), specialists=s.specialists, batch=s.batch, step_tokens=s.step_tokens)
         if s.max_row_tokens is not None:
             args["max_row_tokens"] = s.max_row_tokens
-        return cls(s.model, s.device, s.dtype, s.cache_mb, **{**args, **kw})
+        return cls(model, s.device, s.dtype, **{**args, **kw})
 
     def _batch_runner(self, max_slots: int, max_batch: int, max_keys: int) -> BatchRunner:
         """The step loop's runner (statecache.run.batch): CUDA graphs over statecache's Triton kernels where they serve

@@ -7,8 +7,7 @@ project that reads `os.environ` (tests/test_rules.py checks that). The settings 
 lists these fields exactly (also checked).
 
 Knows the variables, their types and defaults; knows nothing of the engine, arq or Redis beyond the names.
-The cache's own defaults are those of statecache.cache.store.CacheSettings (a test checks they agree; importing
-that module here would load torch for every producer).
+The cache's own defaults are those of statecache.cache.config.CacheSettings (torch-free, read here).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ class Settings:
     step_tokens: int = _f(2048, "STATECACHE_STEP_TOKENS", "tokens one engine step runs at most (hits, grown states and new pages' chunks together): larger steps give more rows/s on a busy GPU, smaller ones answer hits sooner")
     # --- the state cache
     cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")
-    cache_fraction: float = _f(0.9, "STATECACHE_CACHE_FRACTION", "share of free device memory the cache may take when CACHE_MB is unset")
+    cache_fraction: float = _f(CacheSettings.fraction, "STATECACHE_CACHE_FRACTION", "share of free device memory the cache may take when CACHE_MB is unset")
     host_cache_mb: int | None = _f(None, "STATECACHE_HOST_CACHE_MB", "host-memory tier for the states the device budget cannot keep, in MiB (on cuda pinned in 256 MiB slabs, one registered beside each forward after start-up, and kept); 0 turns it off (default: half the host's MemAvailable, at most 256 GiB; logged at start-up)")
     cache_stride: int = _f(CacheSettings.stride, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
     # --- the worker
@@ -95,9 +94,7 @@ class Settings:
     def cache_settings(self) -> CacheSettings:
         """The cache's settings (statecache.cache.config.CacheSettings): these budgets and stride, the rest (tail,
         alignment, the shortest state cached, the most slots a cached row has) its own constants."""
-        kw: dict[str, Any] = dict(stride=self.cache_stride)
-        if self.cache_mb is not None:
-            kw["mb"] = self.cache_mb
+        kw: dict[str, Any] = dict(stride=self.cache_stride, mb=self.cache_mb, fraction=self.cache_fraction)
         if self.host_cache_mb is not None:
             kw["host_mb"] = self.host_cache_mb
         return CacheSettings(**kw)

@@ -58,15 +58,15 @@ def test_budget_from_a_free_memory_figure():
 
 def test_engine_on_cpu_takes_the_default_or_the_setting():
     assert Engine(None, "cpu", "float32").cache.index.budget_bytes == B.CPU_DEFAULT_MB * 2**20
-    eng = Engine(None, "cpu", "float32", cache_mb=3)
+    eng = Engine(None, "cpu", "float32", settings=CacheSettings(mb=3))
     assert eng.budget.source == "setting" and eng.cache.index.budget_bytes == 3 * 2**20
 
 
 @pytest.mark.parametrize("host_mb", [0, 4], ids=["one_tier", "host_tier"])
 def test_eviction_drops_the_tensors(host_mb):
     """Evicted checkpoints (dropped, or moved to the host tier: their device tensors) are referenced by nobody."""
-    eng = Engine(None, "cpu", "float32", cache_mb=1, cold_ok=lambda ctx: True,  # plant even what barely fits
-                 settings=CacheSettings(host_mb=host_mb))
+    eng = Engine(None, "cpu", "float32", cold_ok=lambda ctx: True,  # plant even what barely fits
+                 settings=CacheSettings(mb=1, host_mb=host_mb))
     gen = torch.Generator().manual_seed(0)
     refs = []
     for k in range(12):
@@ -86,7 +86,7 @@ def test_eviction_drops_the_tensors(host_mb):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_sizes_the_cache_from_the_device():
-    eng = Engine(None, "cuda", "bfloat16", cache_fraction=0.5)
+    eng = Engine(None, "cuda", "bfloat16", settings=CacheSettings(fraction=0.5))
     b = eng.budget
     assert b.source == "device" and b.fraction == 0.5 and b.mb > 0
     free, _ = torch.cuda.mem_get_info()

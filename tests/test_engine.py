@@ -16,6 +16,7 @@ from statecache.cache.config import CacheSettings
 from statecache.cache.index import DEVICE
 from statecache.cache.policy import ColdContext
 from statecache.engine import RETRIES_CACHED, Engine
+from statecache.rows.memo import Memo
 from statecache.rows.text import encode_text_row
 from tests.cache_util import assert_close, one_thread
 
@@ -111,7 +112,8 @@ def test_duplicates_in_one_batch_are_computed_once(engine):
 
 
 def test_duplicates_without_a_memo_still_get_answers(engine):
-    eng = engine(memo_entries=0)  # the memo off: a duplicate in one batch must still get a result
+    eng = engine()
+    eng.memo = Memo(0)  # the memo off: a duplicate in one batch must still get a result
     cached, plain = row(toks(300, 5), 10, 5), row(toks(40, 6), 10, 6)
     res = eng.answer([plain, cached, plain, cached])
     assert all(r is not None and "probs" in r for r in res), res

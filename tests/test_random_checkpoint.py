@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from statecache.dev.checkpoints import load_reference
+from statecache.cache.config import CacheSettings
 from statecache.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def test_random_checkpoint_loads_in_both(tmp_path):
     a_log = sd["model.layers.0.linear_attn.A_log"]
     assert torch.all(a_log >= 0) and torch.all(a_log <= torch.log(torch.tensor(16.0)))
 
-    eng = Engine(out, "cpu", "float32", cache_mb=64)  # statecache's loader, and the tokenizer's letters
+    eng = Engine(out, "cpu", "float32", settings=CacheSettings(mb=64))  # statecache's loader, and the tokenizer's letters
     ids = [int(x) for x in torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(0))]
     row = {"ids": ids, "state_len": 290, "slots": [299], "nopts": [4]}
     ours = eng.answer([row])[0]["probs"][0]

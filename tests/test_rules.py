@@ -184,7 +184,8 @@ def test_cache_defaults_agree_with_the_cache():
     assert dataclasses.asdict(Settings(cache_stride=1024, host_cache_mb=0).cache_settings()) == {
         **dataclasses.asdict(c), "stride": 1024, "host_mb": 0}
     assert dataclasses.asdict(Settings(cache_mb=7).cache_settings())["mb"] == 7
-    assert Settings().cache_settings().mb == c.mb  # unset: the cache's own default (sized from the device later)
+    assert Settings().cache_settings().mb is None is c.mb  # unset: sized from the device at start-up
+    assert Settings(cache_fraction=0.25).cache_settings().fraction == 0.25
 
 
 def test_settings_from_the_environment(caplog):
@@ -210,7 +211,7 @@ def test_engine_is_built_from_the_settings():
     e = Engine.from_settings(s)
     assert (e.cache.s.mb, e.cache.s.stride, e.max_row_tokens) == (3, 1024, 999)
     assert e.budget.mb == 3 and e.runner.max_batch == 4
-    assert isinstance(e.cold_ok, PlantWhenItFits) and e.cache_fraction == 0.5
+    assert isinstance(e.cold_ok, PlantWhenItFits) and e.cache.s.fraction == 0.5
     unset = Engine.from_settings(Settings(batch=8, cache_stride=1024))  # no CACHE_MB: the budget is the device's
     assert unset.runner.max_batch == 8 and unset.cache.s.stride == 1024 and unset.budget.mb == Engine().budget.mb
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from statecache.cache.config import CacheSettings
 from statecache.cache.index import plan_chunks
 from statecache.model.config import TextConfig
 
 MIB = 2**20
 CPU_DEFAULT_MB = 1024  # no device memory to measure on the CPU: a fixed bound
-DEFAULT_FRACTION = 0.9
+DEFAULT_FRACTION = CacheSettings.fraction
 HOST_FRACTION = 0.5  # of MemAvailable, for the host tier when STATECACHE_HOST_CACHE_MB is unset
 HOST_DEFAULT_MAX_MB = 256 * 1024  # a bound on the pinned memory one worker may come to hold
 STATE_TOKENS = 4096  # "a 4k-token state", the unit the budget is reported in

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 @dataclass
 class CacheSettings:
-    mb: int = 1024  # LRU bound on everything held (MiB); 0 turns the cached path off
+    mb: int | None = None  # LRU bound on everything held (MiB); 0 turns the cached path off; None: sized from the
+    # device's free memory at start-up (`fraction` of it, statecache.cache.budget), the CPU's fixed default elsewhere
+    fraction: float = 0.9  # the share of free device memory the cache may take when mb is None
     stride: int = 2048  # a checkpoint at every multiple of this below the state end (0: none)
     tail: int = 16  # and one at state end - tail (0: none)
     align: int = 64  # checkpoint positions and chunk starts: multiples of this (fla's delta-rule chunk)

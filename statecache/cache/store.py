@@ -25,11 +25,12 @@ the memo or batching.
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from statecache.cache.budget import MIB, host_available_bytes, host_budget
+from statecache.cache.budget import CPU_DEFAULT_MB, MIB, host_available_bytes, host_budget
 from statecache.cache.config import CacheSettings
 from statecache.cache.index import DEVICE, Checkpoint, CheckpointIndex, plan_chunks, state_end
 from statecache.cache.tiers import HostPool
@@ -54,8 +55,12 @@ class StateCache:
     def __init__(self, settings: CacheSettings | None = None, device="cpu", *, checkpoint_bytes: int = 0,
                  position_bytes: int = 0):
         """checkpoint_bytes: what one checkpoint's tensors take (GDN states, conv tails); position_bytes: one
-        position of a group's attention K/V (both K and V of every attention layer): for `state_bytes`."""
-        self.s = settings or CacheSettings()
+        position of a group's attention K/V (both K and V of every attention layer): for `state_bytes`. A budget of
+        None (`CacheSettings.mb`: the engine sizes it from the device once its forwards are in place) holds the
+        CPU's fixed default until then."""
+        self.s = dataclasses.replace(settings or CacheSettings())  # a copy: the engine re-sizes its budget
+        if self.s.mb is None:
+            self.s.mb = CPU_DEFAULT_MB
         if self.s.align < 1:
             raise ValueError(f"align must be >= 1, got {self.s.align}")
         self.checkpoint_bytes, self.position_bytes = int(checkpoint_bytes), int(position_bytes)
