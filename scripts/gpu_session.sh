@@ -16,6 +16,7 @@
 #   load64      64 agents only, no score or transformers (400)
 #   load16score 16 agents, then score; no transformers (480)
 #   score       statecache score alone (load_bench --skip-worker), 60 timed rows with --timings (400)
+#   scorehf     score as above, then transformers on 8 of its rows in the same run (ms/row side by side; 450)
 #   packcache   the compile caches ($STATECACHE_HOME/compile) as $OUT/cc.tgz.NN parts of 15 MiB (60)
 #   profile     load16 with a 5 s profile of the worker's engine thread after the timed stretch (390)
 #   route2      bench/route_bench.py, 9B: two workers on the one GPU with defaults, 16 agents x 60 rows, the second
@@ -87,6 +88,8 @@ run_step() {
                   --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         score) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --skip-worker \
                   --score-rows 60 --score-warmup 20 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
+        scorehf) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --skip-worker \
+                  --score-rows 60 --score-warmup 20 --hf-rows 8 >"$dir/log.txt" 2>&1 ;;
         packcache) (cd "$STATECACHE_HOME" && du -sh compile && tar czf - compile | split -b 15M -d - "$OUT/cc.tgz.") \
                   >"$dir/log.txt" 2>&1; ls -la "$OUT" >>"$dir/log.txt" ;;
         profile) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
@@ -119,7 +122,7 @@ run_step() {
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [tests_triton2]=300 [profile]=390 [agree]=240 [tests]=240 [suite]=420)
+declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [tests_triton2]=300 [profile]=390 [agree]=240 [tests]=240 [suite]=420 [scorehf]=450)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}
