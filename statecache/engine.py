@@ -479,7 +479,7 @@ class Engine:
 
     def state_key(self, raw) -> tuple | None:
         """A row's state as the cache knows it, for routing (statecache.cache.routing): (key tokens as an int64 array,
-        p = its aligned end, state_len), as `_groups` and the index see them; None for a row the cache does not take
+        p = where its deepest checkpoint sits, state_len), as `_groups` and the index see them; None for a row the cache does not take
         (bad, not eligible) or one with images (their key tokens need the images decoded). raw: a raw row (checked
         here by `check_aside`, with its thread rules) or a CheckedRow."""
         checked = raw if isinstance(raw, CheckedRow) else self.check_aside(raw)

@@ -41,6 +41,7 @@ import torch
 
 from statecache.cache.index import DEVICE
 from statecache.cache.store import Answer, StateCache
+from statecache.cache.tiers import kv_rows
 from statecache.run.batch import SNAPS_PER_PIECE, NotBatched, Piece
 from statecache.run.graphs import n_options
 from statecache.sched import Layout, Row, Scheduler, slots_at_one_position
@@ -370,8 +371,7 @@ class Steps:
             conv, S, K, V = self._zero_conv, self._zero_S, None, None
         if live.K is None and (not pc.answer or pc.plants):  # more to come, or a group to make
             ref = self.runner.st.K
-            live.K = ref.new_empty((ref.shape[0], live.cap, *ref.shape[2:]))
-            live.V = torch.empty_like(live.K)
+            live.K, live.V = kv_rows(ref, live.cap), kv_rows(ref, live.cap)
             if s:
                 live.K[:, :s].copy_(K[:, :s])
                 live.V[:, :s].copy_(V[:, :s])
@@ -501,7 +501,7 @@ class Steps:
         t0 = time.perf_counter()
         K, V = live.K, live.V
         if K.shape[1] > live.p:  # the buffer also holds the question's K/V (a question of several pieces): not kept
-            K, V = K[:, : live.p].clone(), V[:, : live.p].clone()
+            K, V = kv_rows(K, live.p).copy_(K[:, : live.p]), kv_rows(V, live.p).copy_(V[:, : live.p])
         try:
             self.cache.plant(_keys(live.row), live.p, snaps, live.route, (K, V))
         except Exception:  # noqa: BLE001 - the answers stand; only the planting is lost

@@ -27,9 +27,9 @@ def test_sizes_of_the_9b_shape():
     assert B.checkpoint_bytes(cfg, 2) == 24 * (32 * 128 * 128 * 4 + 3 * (2 * 2048 + 4096) * 2)
     assert B.kv_bytes(cfg, 4096, 2) == 128 * 2**20
     assert B.checkpoints_planted(4096) == 3  # 2048, 4032, 4096
-    assert B.checkpoints_planted(4170) == 3  # p = 4160: 2048, 4096 (also 4160 - 16, aligned), 4160
-    assert B.checkpoints_planted(6000) == 4  # p = 5952: 2048, 4096, 5888, 5952
-    assert B.checkpoints_planted(100) == 1 and B.checkpoints_planted(0) == 0
+    assert B.checkpoints_planted(4170) == 3  # p = 4170: 2048, 4096 (also 4170 - 16, aligned), 4170
+    assert B.checkpoints_planted(6000) == 4  # p = 6000: 2048, 4096, 5952, 6000
+    assert B.checkpoints_planted(100) == 2 and B.checkpoints_planted(0) == 0  # 64 (100 - 16, aligned), 100
 
 
 def test_budget_from_a_free_memory_figure():

@@ -239,17 +239,17 @@ def test_a_row_restored_from_the_host_answers_as_from_the_device():
     steps = make_steps(mb=1, host_mb=8)
     roomy = make_steps(mb=64, host_mb=0)
     cache = steps.cache
-    A, B, C = (toks(300, s) for s in (31, 32, 33))  # p = 256: checkpoints at 128, 240 -> 192, 256
+    A, B, C = (toks(300, s) for s in (31, 32, 33))  # p = 300: checkpoints at 128, 284 -> 256, 300
     for s, seed in ((A, 1), (B, 2), (C, 3)):
         ask(steps, s + question(8, seed), 300, [307], [4])
         ask(roomy, s + question(8, seed), 300, [307], [4])
     assert cache.index.bytes <= cache.index.budget_bytes and cache.index.counts["demoted"] > 0
-    deepest = cache.index.lookup(A + question(9, 4), 256)
-    assert deepest is not None and deepest.pos == 256 and deepest.tier == HOST  # A went to the host
+    deepest = cache.index.lookup(A + question(9, 4), 300)
+    assert deepest is not None and deepest.pos == 300 and deepest.tier == HOST  # A went to the host
     ids = A + question(9, 4)
     got = ask(steps, ids, 300, [308], [4])
     dev = ask(roomy, ids, 300, [308], [4])
-    assert got.path == dev.path == "hit" and got.reused == dev.reused == 256
+    assert got.path == dev.path == "hit" and got.reused == dev.reused == 300
     assert_close(got.probs, dev.probs)
     info = cache.info()
     assert info["restored_host"] == 1 and info["host"]["copies_up"] >= 2  # the checkpoint and its group's K/V
@@ -328,21 +328,21 @@ def _burst_engine(host_mb: int) -> Engine:
 
 
 def test_a_row_taken_with_a_burst_of_new_pages_keeps_its_state():
-    """A's grown state (153 tokens past its checkpoint: a long computation) comes after three new pages, which fill
+    """A's grown state (100 tokens past its checkpoint: a long computation) comes after three new pages, which fill
     each step until they have planted enough to evict A's state; the row was taken with them, so the checkpoint it
     found is pinned and it still continues from it (with the host tier off)."""
     eng = _burst_engine(0)
-    A = etoks(300, 61)
-    first = eng.answer([{"ids": A + etoks(8, 1), "state_len": 300, "slots": [307], "nopts": [4]}])[0]
+    A = etoks(260, 61)
+    first = eng.answer([{"ids": A + etoks(8, 1), "state_len": 260, "slots": [267], "nopts": [4]}])[0]
     assert first["path"] == "cold"
-    pages = [etoks(300, 70 + k) for k in range(3)]
-    one = eng.cache.state_bytes(300)
+    pages = [etoks(260, 70 + k) for k in range(3)]
+    one = eng.cache.state_bytes(260)
     assert 2 * one <= eng.cache.index.budget_bytes < 4 * one, "the test's sizes no longer force evictions"
-    batch = [{"ids": P + etoks(8, 2), "state_len": 300, "slots": [307], "nopts": [4]} for P in pages]
+    batch = [{"ids": P + etoks(8, 2), "state_len": 260, "slots": [267], "nopts": [4]} for P in pages]
     grown = A + etoks(100, 3)
-    batch.append({"ids": grown + etoks(9, 4), "state_len": 400, "slots": [408], "nopts": [4]})
+    batch.append({"ids": grown + etoks(9, 4), "state_len": 360, "slots": [368], "nopts": [4]})
     res = eng.answer(batch)
-    assert [r["path"] for r in res] == ["cold", "cold", "cold", "partial"] and res[3]["reused"] == 256
+    assert [r["path"] for r in res] == ["cold", "cold", "cold", "partial"] and res[3]["reused"] == 260
     assert eng.cache.stats["evicted"] > 0  # (unpinned, A's state goes: the row would be new and too large to plant)
     assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
     for r, want in zip(res, eng.uncached(batch)):

@@ -487,8 +487,9 @@ def test_image_state_planted_in_one_piece_equals_one_planted_over_several_steps(
     res = [eng.answer([raw])[0] for eng in engines]
     assert [r["path"] for r in res] == ["cold", "cold"]
     assert_close(res[0]["probs"], res[1]["probs"], TOL)
-    # one 240-token piece keeping its checkpoints (64, inside the image, 128 and 192) inside it; four 64-token pieces
-    assert [e.steps.stats["steps"] for e in engines] == [1, 4]
+    # one piece keeping its checkpoints (64, inside the image, 128, 192 and the state's end) inside it; 64-token
+    # pieces up to the state's end, then the question
+    assert [e.steps.stats["steps"] for e in engines] == [1, 5]
     eng = engines[0]
     row = check_row(raw, eng.vocab_size, 4096, eng.tokenizer, eng.images)
     mm = RowImages(row["ids"], row["images"], eng.embeddings, eng.device)

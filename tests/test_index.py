@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from statecache.cache.index import Checkpoint, CheckpointIndex, Group, plan_chunks
+from statecache.cache.index import MIN_ADVANCE, Checkpoint, CheckpointIndex, Group, plan_chunks
 
 
 def toks(n: int, seed: int = 0) -> np.ndarray:
@@ -183,10 +183,11 @@ def test_readd_replaces_and_never_double_counts() -> None:
 def test_add_checkpoint_validates_position() -> None:
     ix = CheckpointIndex(10**9, align=64)
     g = ix.add_group(toks(130), None, 0)
-    for bad in (0, -64, 63, 100, 192):
+    for bad in (0, -64, 131, 192):
         with pytest.raises(ValueError):
             ix.add_checkpoint(g, bad, None, 1)
     assert ix.add_checkpoint(g, 128, None, 1).pos == 128
+    assert ix.add_checkpoint(g, 100, None, 1).pos == 100  # a state's end: any position of its group
     with pytest.raises(ValueError):
         ix.add_group(np.zeros((2, 2), dtype=np.int64), None, 0)
     with pytest.raises(TypeError):
@@ -281,9 +282,10 @@ class IndexVsModel(RuleBasedStateMachine):
     @rule(data=st.data(), nbytes=st.integers(0, 20), route=routes)
     def add_checkpoint(self, data: st.DataObject, nbytes: int, route: int) -> None:
         g = data.draw(st.sampled_from(self.live_groups))
-        if len(g.ids) < ALIGN:
+        if len(g.ids) < 1:
             return
-        pos = data.draw(st.integers(1, len(g.ids) // ALIGN)) * ALIGN
+        aligned = [st.integers(1, len(g.ids) // ALIGN).map(lambda k: k * ALIGN)] if len(g.ids) >= ALIGN else []
+        pos = data.draw(st.one_of(*aligned, st.integers(1, len(g.ids))))  # a state's end: anywhere in its group
         old = [o for o in self.order if o.pos == pos and o.route == route and np.array_equal(o.group.ids[:pos], g.ids[:pos])]
         assert len(old) <= 1
         c = self.ix.add_checkpoint(g, pos, None, nbytes, route)
@@ -298,7 +300,7 @@ class IndexVsModel(RuleBasedStateMachine):
     def add_checkpoint_badly(self, data: st.DataObject) -> None:
         """A bad position in any group, or any position in a group no longer live: refused, nothing changes."""
         g = data.draw(st.sampled_from(self.groups))
-        bad = [0, -ALIGN, 1, (len(g.ids) // ALIGN + 1) * ALIGN]
+        bad = [0, -ALIGN, len(g.ids) + 1, (len(g.ids) // ALIGN + 1) * ALIGN]
         pos = data.draw(st.sampled_from(bad + ([ALIGN] if g not in self.live_groups and len(g.ids) >= ALIGN else [])))
         with pytest.raises(ValueError):
             self.ix.add_checkpoint(g, pos, None, 1)
@@ -372,66 +374,102 @@ P = dict(align=64, max_chunk=2048)
 
 
 def test_plan_chunks_example() -> None:
-    assert plan_chunks(0, 1000, stride=512, tail=16, **P) == [512, 896, 960]
+    assert plan_chunks(0, 1000, stride=512, tail=16, **P) == [512, 960, 1000]  # p - tail = 984 -> 960, p exact
 
 
 def test_plan_chunks_tail_and_stride_off() -> None:
-    assert plan_chunks(0, 1000, stride=512, tail=0, **P) == [512, 960]
-    assert plan_chunks(0, 1000, stride=0, tail=16, **P) == [896, 960]
-    assert plan_chunks(0, 1000, stride=0, tail=0, **P) == [960]
+    assert plan_chunks(0, 1000, stride=512, tail=0, **P) == [512, 1000]
+    assert plan_chunks(0, 1000, stride=0, tail=16, **P) == [960, 1000]
+    assert plan_chunks(0, 1000, stride=0, tail=0, **P) == [1000]
 
 
 def test_plan_chunks_max_chunk_splits() -> None:
-    assert plan_chunks(0, 5000, stride=0, tail=0, **P) == [2048, 4096, 4992]
-    assert plan_chunks(128, 5000, stride=0, tail=0, **P) == [2176, 4224, 4992]  # split from the chunk's own start
-    assert plan_chunks(0, 5000, stride=0, tail=0, align=64, max_chunk=1024) == [1024, 2048, 3072, 4096, 4992]
-    assert plan_chunks(0, 5000, stride=2048, tail=16, align=64, max_chunk=1024) == [1024, 2048, 3072, 4096, 4928, 4992]
+    assert plan_chunks(0, 5000, stride=0, tail=0, **P) == [2048, 4096, 5000]
+    assert plan_chunks(128, 5000, stride=0, tail=0, **P) == [2176, 4224, 5000]  # split from the chunk's own start
+    assert plan_chunks(0, 5000, stride=0, tail=0, align=64, max_chunk=1024) == [1024, 2048, 3072, 4096, 5000]
+    assert plan_chunks(0, 5000, stride=2048, tail=16, align=64, max_chunk=1024) == [1024, 2048, 3072, 4096, 4928, 5000]
 
 
 def test_plan_chunks_start_at_or_past_p() -> None:
-    assert plan_chunks(960, 1000, stride=512, tail=16, **P) == []
+    assert plan_chunks(960, 1000, stride=512, tail=16, **P) == [1000]
+    assert plan_chunks(990, 1000, stride=512, tail=16, **P) == []  # p within MIN_ADVANCE of the restored position
     assert plan_chunks(1024, 1000, stride=512, tail=16, **P) == []
-    assert plan_chunks(0, 63, stride=512, tail=16, **P) == []
-    assert plan_chunks(512, 1000, stride=512, tail=16, **P) == [896, 960]  # only positions past the restored one
-    assert plan_chunks(896, 1000, stride=512, tail=16, **P) == [960]
+    assert plan_chunks(512, 1000, stride=512, tail=16, **P) == [960, 1000]  # only positions past the restored one
+    assert plan_chunks(900, 1000, stride=512, tail=16, **P) == [960, 1000]
+    assert plan_chunks(950, 1000, stride=512, tail=16, **P) == [1000]  # 960: closer than MIN_ADVANCE past 950
 
 
 def test_plan_chunks_state_len_not_aligned() -> None:
-    assert plan_chunks(0, 970, stride=0, tail=16, **P) == [896, 960]  # p = 960, p - tail = 944 -> 896
-    assert plan_chunks(0, 1023, stride=0, tail=16, **P) == [896, 960]
+    assert plan_chunks(0, 970, stride=0, tail=16, **P) == [896, 970]  # p = 970 exact, p - tail = 954 -> 896
+    assert plan_chunks(0, 1023, stride=0, tail=16, **P) == [960, 1023]
     assert plan_chunks(0, 1024, stride=0, tail=16, **P) == [960, 1024]
-    assert plan_chunks(0, 70, stride=0, tail=16, **P) == [64]  # p - tail rounds to 0: not planted
+    assert plan_chunks(0, 70, stride=0, tail=16, **P) == [70]  # p - tail rounds to 0: not planted
+    assert plan_chunks(0, 2050, stride=2048, tail=16, **P) == [1984, 2050]  # 2048: closer than MIN_ADVANCE below p
 
 
-def test_plan_chunks_rejects_unaligned_inputs() -> None:
+def test_plan_chunks_rejects_bad_inputs_and_takes_any_start() -> None:
     with pytest.raises(ValueError):
         plan_chunks(0, 1000, stride=512, tail=16, align=64, max_chunk=1000)
     with pytest.raises(ValueError):
-        plan_chunks(10, 1000, stride=512, tail=16, **P)
+        plan_chunks(-1, 1000, stride=512, tail=16, **P)
+    assert plan_chunks(10, 1000, stride=512, tail=16, **P) == [512, 960, 1000]  # a state's exact end restored
 
 
 @settings(max_examples=300, deadline=None)
 @given(
     align=st.sampled_from([1, 4, 64]),
-    start_k=st.integers(0, 40),
+    start=st.integers(0, 2600),
     state_len=st.integers(0, 3000),
     stride=st.integers(0, 700),
     tail=st.integers(0, 100),
     chunk_k=st.integers(1, 20),
 )
-def test_plan_chunks_properties(align: int, start_k: int, state_len: int, stride: int, tail: int, chunk_k: int) -> None:
-    start, max_chunk = start_k * align, chunk_k * align
+def test_plan_chunks_properties(align: int, start: int, state_len: int, stride: int, tail: int, chunk_k: int) -> None:
+    max_chunk = chunk_k * align
     out = plan_chunks(start, state_len, stride=stride, tail=tail, align=align, max_chunk=max_chunk)
-    p = state_len - state_len % align
-    if p <= start:
+    p, first = state_len, start + MIN_ADVANCE
+    if p < first:
         assert out == []
         return
-    assert out[-1] == p and out == sorted(set(out))
-    assert all(e % align == 0 and start < e <= p for e in out)
-    assert all(b - a <= max_chunk for a, b in zip([start, *out], out))
-    wanted = {p}
-    if stride:
-        wanted |= {k - k % align for k in range(stride, p, stride)}
+    assert out[-1] == p and out == sorted(set(out)) and all(start < e <= p for e in out)
+    below = {k - k % align for k in range(stride, p, stride)} if stride else set()
     if tail:
-        wanted.add((p - tail) - (p - tail) % align)
-    assert {e for e in wanted if e > start} <= set(out)
+        below.add((p - tail) - (p - tail) % align)
+    wanted = {p} | {x for x in below if first <= x <= p - MIN_ADVANCE}
+    assert wanted <= set(out)
+    prev = start
+    for e in out:  # each a wanted position or a split of a longer chunk
+        assert e in wanted or e - prev == max_chunk
+        assert e - prev <= max_chunk
+        prev = e
+
+
+def test_lookup_past_many_other_states_ends() -> None:
+    """States' ends are checkpoints at any position: a lookup that meets more than SCAN_BEFORE_BOUND positions of
+    other states before its own match bounds the rest by the row's shared depth, and still finds the deepest match
+    (checked against every checkpoint by hand), for rows matching shallow, deep, at an end and nowhere."""
+    from statecache.cache.index import SCAN_BEFORE_BOUND
+
+    rng = np.random.default_rng(3)
+    ix = CheckpointIndex(10**12, align=64)
+    base = rng.integers(0, 1000, 3000)
+    cks = []
+    for k in range(3 * SCAN_BEFORE_BOUND):  # other states, each with its own end between 1000 and 3000
+        ids = rng.integers(0, 1000, 3000)
+        n = int(rng.integers(1000, 3000))
+        g = ix.add_group(ids[:n], None, 0)
+        cks.append(ix.add_checkpoint(g, n, None, 1))
+    mine = ix.add_group(base[:1500], None, 0)
+    cks += [ix.add_checkpoint(mine, 700, None, 1), ix.add_checkpoint(mine, 1437, None, 1)]
+
+    def brute(row, limit):
+        ok = [c for c in cks if c.pos <= min(limit, len(row)) and np.array_equal(c.group.ids[: c.pos], row[: c.pos])]
+        return max(ok, key=lambda c: c.pos) if ok else None
+
+    grown = np.concatenate([base[:1437], rng.integers(0, 1000, 1500)])
+    changed = base.copy()
+    changed[900] += 1  # shares [0, 900): its deepest is 700, below every other state's end
+    for row in (grown, changed, base[:1437].copy(), rng.integers(0, 1000, 3000)):
+        for limit in (3000, 1437, 1436, 700, 699):
+            assert ix.lookup(row, limit) is brute(row, limit), (len(row), limit)
+            assert ix.lookup(row.tolist(), limit) is brute(row, limit)

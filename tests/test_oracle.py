@@ -168,13 +168,13 @@ CHUNKINGS = [
     (64, 150),  # 64-aligned first edge, then 86 and 20 tokens
 ]
 # per chunking, (path, tokens reused) of the rows whose state ends at each edge (state_len a, then b; checkpoints
-# at p = state_len aligned down to 64, and at multiples of the stride 128 below it), then of a hit with a new
-# question on the state of b tokens
+# at p = state_len, and at p - 16 and the multiples of the stride 128 below it aligned down to 64, each at least 16
+# from p and from the position restored), then of a hit with a new question on the state of b tokens
 CHUNK_PATHS = {
-    (37, 101): [("plain", 0), ("plain", 0), ("cold", 0), ("hit", 64)],
-    (70, 72): [("plain", 0), ("cold", 0), ("hit", 64), ("hit", 64)],
-    (1, 130): [("plain", 0), ("plain", 0), ("cold", 0), ("hit", 128)],
-    (64, 150): [("plain", 0), ("cold", 0), ("partial", 64), ("hit", 128)],
+    (37, 101): [("plain", 0), ("plain", 0), ("cold", 0), ("hit", 101)],
+    (70, 72): [("plain", 0), ("cold", 0), ("partial", 70), ("partial", 70)],  # 72: too near 70 to plant
+    (1, 130): [("plain", 0), ("plain", 0), ("cold", 0), ("hit", 130)],
+    (64, 150): [("plain", 0), ("cold", 0), ("partial", 64), ("hit", 150)],
 }
 
 
@@ -232,12 +232,12 @@ def test_padded_step_loop_plants_the_exact_states(case):
     for pad in (False, True):
         steps = steps_over(case.model, pad=pad)
         got = [run_rows(steps, [row])[0] for row in rows]
-        assert [(a.path, a.reused) for a in got] == [("cold", 0), ("partial", 64)]
+        assert [(a.path, a.reused) for a in got] == [("cold", 0), ("partial", 70)]
         for row, a in zip(rows, got):
             assert max_abs_diff(a.probs, case.ref.answers(row[0], row[2], row[3])) < TOL
         planted.append({c.pos: c for c in steps.cache.index.lru_order()})
     exact, padded = planted
-    assert sorted(exact) == sorted(padded) == [64, 128]
+    assert sorted(exact) == sorted(padded) == [70, 128, 150]
     for pos, c in exact.items():
         p = padded[pos]
         for what, x, y in [("conv", c.payload[0], p.payload[0]), ("S", c.payload[1], p.payload[1]),
@@ -369,12 +369,13 @@ def test_rows_continue_from_states_planted_in_one_packed_step_match_transformers
     assert steps.runner.stats["sequences"] >= steps.runner.stats["forwards"] + 2  # the three shared a forward
     for (ids, _, slots, nopts), got in zip(rows, outs):
         assert max_abs_diff(got.probs, case.ref.answers(ids, slots, nopts)) < TOL
-    # a: p 192 and the stride's 128; b: p 320, its tail (314) aligned down, 256, and the stride's 128
-    assert sorted(c.pos for c in steps.cache.index.lru_order()) == [128, 128, 192, 256, 320]
+    # a: p 200 and its tail (184) aligned down, the stride's 128; b: p 330, its tail (314) aligned down, 256, and the
+    # stride's 128
+    assert sorted(c.pos for c in steps.cache.index.lru_order()) == [128, 128, 200, 256, 330]
     mid = list(b)
     mid[150] = (mid[150] + 1) % vocab
-    later = [(a + random_ids(12, 36, vocab), 200, "hit", 192), (a + random_ids(76, 37, vocab), 270, "partial", 192),
-             (mid + random_ids(4, 38, vocab), 330, "partial", 128), (b + random_ids(20, 39, vocab), 330, "hit", 320)]
+    later = [(a + random_ids(12, 36, vocab), 200, "hit", 200), (a + random_ids(76, 37, vocab), 270, "partial", 200),
+             (mid + random_ids(4, 38, vocab), 330, "partial", 128), (b + random_ids(20, 39, vocab), 330, "hit", 330)]
     for ids, state_len, path, reused in later:
         slots, nopts = [state_len, len(ids) - 1], [3, 7]
         (ans,) = run_rows(steps, [(ids, state_len, slots, nopts)])
@@ -412,8 +413,8 @@ def test_engine_uncached_and_cached_answers_match_transformers(tiny_engine):
         assert d < TOL, f"tiny engine: uncached row (len {len(row['ids'])}, slots {row['slots']}): max |diff| {d:.2e}"
     assert eng.counts["split"] == split + 1 and len(eng.cache.index) == 0
     state = random_ids(250, 302, vocab)
-    cached = [(state + random_ids(20, 303, vocab), 250, "cold", 0), (state + random_ids(9, 304, vocab), 250, "hit", 192),
-              (state + random_ids(80, 305, vocab), 320, "partial", 192)]
+    cached = [(state + random_ids(20, 303, vocab), 250, "cold", 0), (state + random_ids(9, 304, vocab), 250, "hit", 250),
+              (state + random_ids(80, 305, vocab), 320, "partial", 250)]
     for ids, state_len, path, reused in cached:
         row = {"ids": ids, "state_len": state_len, "slots": [state_len, len(ids) - 1], "nopts": [4, 26]}
         (res,) = eng.answer([row])

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statecache.cache.index import plan_chunks, state_end
+from statecache.cache.index import MIN_ADVANCE, plan_chunks, state_end
 from statecache.sched import COLD, HIT, PARTIAL, PLAIN, IndexView, Layout, Row, Scheduler
 
 BIG = 1 << 40  # bytes: nothing is evicted
@@ -109,8 +109,8 @@ def check_rows(d: Driver, layout: Layout, sched: Scheduler):
         stop = p if r.cacheable else r.first_slot - r.first_slot % a
         for x, y in zip(pcs, pcs[1:]):
             assert y.start == x.end and y.continues and y.restore is None  # contiguous, its own state carried on
-            # cut at the alignment up to the question; inside it after a multiple of align tokens, or at a slot
-            assert x.end % a == 0 if x.end <= stop else (x.tokens % a == 0 or x.end in r.slots)
+            # cut at the alignment (or at p) up to the question; inside it after a multiple of align tokens, or at a slot
+            assert (x.end % a == 0 or x.end == stop) if x.end <= stop else (x.tokens % a == 0 or x.end in r.slots)
             assert x.end <= stop or x.start >= stop  # no piece holds both the end of the state and the question
         assert (pcs[0].restore is not None) == (f.reused > 0) and not pcs[0].continues
         if f.reused:
@@ -128,8 +128,8 @@ def check_rows(d: Driver, layout: Layout, sched: Scheduler):
                         sum(x.start <= z <= x.end for z in r.slots) > sched.max_slots
                     assert full or slots_full, (x, y, r.slots)
         planted = [pos for pc in pcs for pos in pc.plants]
-        for pc in pcs:
-            assert all(pc.start < pos <= pc.end for pos in pc.plants)
+        for pc in pcs:  # a state kept inside a piece lies at least MIN_ADVANCE inside it (the runner's SNAP_GAP)
+            assert all(pc.start + MIN_ADVANCE <= pos < pc.end or pos == pc.end for pos in pc.plants)
         if f.path == HIT:
             assert f.reused == p and planted == []
             assert len(pcs) == 1 or sched.max_piece is not None or sched.max_slots is not None

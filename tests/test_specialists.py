@@ -40,7 +40,7 @@ from statecache.model.loader import load_weights
 from statecache.model.specialists import SpecialistsError, TokenRoutes, load_specialists
 from statecache.run.batch import BatchRunner, Piece
 from statecache.step import Steps
-from tests.cache_util import (LETTER_IDS, MAX_POS, SHAPE, TOL, assert_close, down, index_bytes_recount, one_thread,
+from tests.cache_util import (LETTER_IDS, MAX_POS, SHAPE, TOL, assert_close, index_bytes_recount, one_thread,
                               make_steps, run_rows, toks)
 from tests.oracle_util import build_checkpoint, max_abs_diff
 from tests.oracle_util import LETTERS as ORACLE_LETTERS
@@ -266,7 +266,7 @@ def check(steps: Steps, rows, answers) -> None:
         probs, route = uncached(ids, slots, nopts)
         assert a.route == route
         assert_close(a.probs, probs)
-        assert 0 <= a.reused <= down(state_len) and a.computed >= len(ids) - a.reused
+        assert 0 <= a.reused <= state_len and a.computed >= len(ids) - a.reused
     assert cache.index.bytes == index_bytes_recount(cache) <= cache.index.budget_bytes
     for c in cache.index.lru_order():  # a checkpoint's feature sum is over its own tokens
         assert c.payload[2].shape == (SHAPE["hidden_size"],)
@@ -379,7 +379,7 @@ def router_by_state(spec, states):
     means = []
     for k, S in enumerate(states):
         ask(probe, S + toks(3, 990 + k), len(S), [len(S) + 2], [2])
-        c = probe.cache.index.lookup(S, limit=down(len(S)))
+        c = probe.cache.index.lookup(S, limit=len(S))
         means.append(c.payload[2] / c.pos)
     m = torch.stack(means)
     d = m - m.mean(0)
@@ -453,19 +453,19 @@ def test_rows_of_mixed_routes_in_one_forward(pad):
         assert cache.stats["mispredict"] == mis
         assert seen == [(0, 1, 2, 3)]  # one forward, a route per sequence
     # a state grown by more than a piece, its route kept (no misprediction): its new checkpoint carries the feature
-    # sum over [0, 384) that a row planting it alone plants
-    grown = states[2] + toks(120, 91)  # 384 from the checkpoint at 256
+    # sum over [0, 400) that a row planting it alone plants
+    grown = states[2] + toks(120, 91)  # 400 from the checkpoint at 280
     with router_forced(spec, 2):
         row = (grown + toks(7, 111), len(grown), [len(grown) + 6], [4])
         mis = cache.stats["mispredict"]
         stepped(steps, [row])
         assert cache.stats["mispredict"] == mis
-    c = cache.index.lookup(grown, limit=down(len(grown)), route=2)
+    c = cache.index.lookup(grown, limit=len(grown), route=2)
     alone = spec_steps(pad)
     with router_forced(spec, 2):
         ask(alone, grown + toks(7, 110), len(grown), [len(grown) + 6], [4], guess=2)
-    c1 = alone.cache.index.lookup(grown, limit=down(len(grown)), route=2)
-    assert c.pos == c1.pos == 384 and (c.payload[2] - c1.payload[2]).abs().max() <= 1e-3
+    c1 = alone.cache.index.lookup(grown, limit=len(grown), route=2)
+    assert c.pos == c1.pos == 400 and (c.payload[2] - c1.payload[2]).abs().max() <= 1e-3
     # a hit on it equals the uncached step loop
     with router_forced(spec, 2):
         assert stepped(steps, [(grown + toks(13, 120), len(grown), [len(grown) + 12], [4])])[0][0].path == "hit"

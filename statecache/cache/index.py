@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+SCAN_BEFORE_BOUND = 16  # lookup: positions tried from the deepest down before bounding them by the shared depth
+
+
 @dataclass(eq=False, slots=True, repr=False)
 class Group:
     """The checkpoints planted by one row: its state tokens ``ids[0:p)`` and the payload (K/V of [0, p)) they share."""
@@ -176,8 +179,16 @@ class CheckpointIndex:
         else:  # an int64 array: sampled with numpy, compared with the group's array (a memcmp)
             row, same = as_ids(ids), lambda c, k, head: np.array_equal(c.group.ids[:k], head)
         top = min(int(limit), len(row))
-        end = bisect.bisect_right(self._positions, top)
-        for k in reversed(self._positions[:end]):
+        j, tried = bisect.bisect_right(self._positions, top) - 1, 0
+        while j >= 0:
+            k = self._positions[j]
+            j -= 1
+            tried += 1
+            if tried == SCAN_BEFORE_BOUND:  # other states' positions in the way: skip those this row cannot match
+                bound = self.shared_depth(ids, top) + self.align - 1  # its tokens equal a live group's to at most this
+                if k > bound:
+                    j = min(j, bisect.bisect_right(self._positions, bound) - 1)
+                    continue
             cands = self._buckets.get((k, self._fingerprint(row, k)))
             if not cands:
                 continue
@@ -236,8 +247,8 @@ class CheckpointIndex:
         if group.tier != DEVICE:
             raise ValueError("group is on the host tier: promote one of its checkpoints first")
         pos = int(pos)
-        if pos <= 0 or pos > len(group.ids) or pos % self.align:
-            raise ValueError(f"pos {pos} must be a multiple of {self.align} in (0, {len(group.ids)}]")
+        if pos <= 0 or pos > len(group.ids):
+            raise ValueError(f"pos {pos} must be in (0, {len(group.ids)}]")
         head = group.tokens[:pos]
         bucket = self._buckets.setdefault((pos, self._fingerprint(group.tokens, pos)), [])
         old = next((c for c in bucket if c.route == route and _head(c.group.tokens, pos) == head), None)
@@ -501,10 +512,15 @@ class CheckpointIndex:
             self._free(g.payload)
 
 
+MIN_ADVANCE = 16  # a checkpoint this close past the position a computation restores is not planted (it would save
+# next to nothing; the step loop keeps states only this far inside a piece: statecache.run.batch.SNAP_GAP)
+
+
 def state_end(state_len: int, align: int) -> int:
-    """p: a state of `state_len` tokens' end rounded down to `align`, where its deepest checkpoint sits (the one place
-    it is derived; the cache, the plan below and statecache.sched read it here)."""
-    return state_len - state_len % align
+    """p: where a state of `state_len` tokens keeps its deepest checkpoint: its end, exactly (a question on it then
+    computes only its own tokens). The one place it is derived; the cache, the plan below and statecache.sched read
+    it here. `align` is the grid of the state's other checkpoints (plan_chunks), not of its end."""
+    return state_len
 
 
 def plan_chunks(start: int, state_len: int, *, stride: int, tail: int, align: int, max_chunk: int | None = None,
@@ -512,36 +528,39 @@ def plan_chunks(start: int, state_len: int, *, stride: int, tail: int, align: in
     """The chunk ends of a row's state computed from a restored position ``start`` (0 = nothing restored), which
     are also the checkpoint positions to plant.
 
-    With ``p = state_len`` rounded down to ``align``: every multiple of ``stride`` below ``p``, ``p - tail`` and
-    ``p`` and the ``extra`` positions below ``p`` (fork points), each rounded down to ``align``, only those
-    ``> start``, sorted. The step loop plants exactly these (``max_chunk`` None); a simulation of a runner whose
-    chunks are at most ``max_chunk`` long splits a longer one at ``a + k * max_chunk`` from its own start ``a``
-    (those ends planted too). ``stride`` 0 or ``tail`` 0 disable those positions. ``[]`` when ``p <= start``.
+    With ``p = state_end(state_len)`` (the end itself): ``p``, and every multiple of ``stride`` below ``p``,
+    ``p - tail`` and the ``extra`` positions below ``p`` (fork points), each rounded down to ``align`` and at least
+    ``MIN_ADVANCE`` below ``p``; only those at least ``MIN_ADVANCE`` past ``start``, sorted. The step loop plants exactly these (``max_chunk`` None); a
+    simulation of a runner whose chunks are at most ``max_chunk`` long splits a longer one at ``a + k * max_chunk``
+    from its own start ``a`` (those ends planted too). ``stride`` 0 or ``tail`` 0 disable those positions. ``[]``
+    when ``p < start + MIN_ADVANCE``.
     """
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
     if max_chunk is not None and (max_chunk < align or max_chunk % align):
         raise ValueError(f"max_chunk {max_chunk} must be a positive multiple of align {align}")
-    if start < 0 or start % align:
-        raise ValueError(f"start {start} must be a non-negative multiple of align {align}")
+    if start < 0:
+        raise ValueError(f"start {start} must be >= 0")
     if stride < 0 or tail < 0:
         raise ValueError("stride and tail must be >= 0")
 
     def down(v: int) -> int:
-        return state_end(v, align)
+        return v - v % align
 
-    p = down(state_len)
-    if p <= start:
+    p = state_end(state_len, align)
+    first = start + MIN_ADVANCE
+    if p < first:
         return []
-    ends = {p}
+    below: set[int] = set()
     if stride:
-        ends.update(down(k) for k in range(stride, p, stride))
+        below.update(down(k) for k in range(stride, p, stride))
     if tail:
-        ends.add(down(p - tail))
-    ends.update(down(x) for x in extra if 0 < x < p)
+        below.add(down(p - tail))
+    below.update(down(x) for x in extra if 0 < x < p)
+    ends = {p} | {x for x in below if x <= p - MIN_ADVANCE}  # none just below p either (p serves as well)
     out: list[int] = []
     s = start
-    for e in sorted(v for v in ends if v > start):
+    for e in sorted(v for v in ends if v >= first):
         while max_chunk is not None and e - s > max_chunk:
             s += max_chunk
             out.append(s)

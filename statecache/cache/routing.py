@@ -3,8 +3,8 @@
 Fingerprints. A state is known to the routing by fingerprints of its aligned prefixes: `prefix_fingerprints(keys,
 p, align)` chains an 8-byte blake2b over the int64 bytes of each `align`-token block, so the k-th value names the
 tokens [0, k * align) and a row's whole list (every aligned depth of its state) costs one pass over its tokens.
-A cache's checkpoint at `pos` (a multiple of `align`, statecache.cache.index) has `fingerprint(keys, pos, align)`, the
-same value a row's list holds at depth pos: the worker holding it advertises it (`FingerprintLedger`, fed by the
+A cache's checkpoint at `pos` (statecache.cache.index; a state's end need not be a multiple of `align`) is advertised
+as `fingerprint(keys, pos rounded down to align, align)`, the value a row's list holds at that depth: the worker holding it advertises it (`FingerprintLedger`, fed by the
 index's observer calls on plant, hit and eviction) and a row finds its deepest held depth by looking its list up.
 A fingerprint only sends a row somewhere: the lookup inside the worker stays token-exact (statecache.cache.index), so a
 collision costs a cold row, never a wrong answer. A row's keys and p come from the engine (`Engine.state_key`), the
@@ -135,7 +135,10 @@ class FingerprintLedger:
     def observe(self, event: str, ckpt) -> None:
         """event: plant | hit | evict, for a statecache.cache.index.Checkpoint (its group's keys and its pos)."""
         if event == "plant":
-            fp = fingerprint(ckpt.group.ids, ckpt.pos, self.align)
+            depth = ckpt.pos - ckpt.pos % self.align  # the aligned prefix it holds (a state's end lies past it)
+            if depth < self.align:
+                return
+            fp = fingerprint(ckpt.group.ids, depth, self.align)
             with self._lock:
                 self._fp[ckpt] = fp
                 self._count[fp] = self._count.get(fp, 0) + 1

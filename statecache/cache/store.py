@@ -1,7 +1,8 @@
 """The cross-request state cache: the saved model states rows continue from, and nothing that runs the model.
 
-A row is [state | question]; p = state_len rounded down to `align`. A state's checkpoints sit at `plan`'s positions
-(every multiple of `stride` below p, p - `tail`, p, and a fork point); a checkpoint holds, per Gated DeltaNet layer,
+A row is [state | question]; p = state_len (the state's end, statecache.cache.index.state_end). A state's checkpoints
+sit at `plan`'s positions (p, and every multiple of `stride` below p, p - `tail` and a fork point, rounded down to
+`align`); a checkpoint holds, per Gated DeltaNet layer,
 the recurrent state and the conv's last inputs at its position (and with specialists the router's feature sum
 there, under the route its adapter layers ran with); the checkpoints one row planted form a group that shares the
 row's attention K/V of [0, p), stored once (`plant`). Lookup is token-exact (statecache.cache.index): the deepest
@@ -78,7 +79,7 @@ class StateCache:
     # ---- what may come here ---------------------------------------------------------------------------------------
 
     def state_end(self, state_len: int) -> int:
-        """p: the state's end rounded down to `align`, where its deepest checkpoint sits (statecache.cache.index.state_end)."""
+        """p: where the state's deepest checkpoint sits, its end (statecache.cache.index.state_end)."""
         return state_end(state_len, self.s.align)
 
     def eligible(self, state_len: int, slots) -> bool:

@@ -73,14 +73,33 @@ def _unregister(addresses: list[int], maps: list) -> None:
     addresses.clear()
 
 
+KV_ROWS = 16  # a group's K/V holds its positions in a multiple of this many rows: each layer's keys start 16-element
+# aligned whatever the state's length (the step loop's Triton kernels load them as 16-element vectors)
+
+
+def kv_rows(ref: torch.Tensor, n: int) -> torch.Tensor:
+    """An empty [layers, n, ...] tensor like `ref` (a group's K or V), its rows allocated in a multiple of KV_ROWS."""
+    padded = -(-n // KV_ROWS) * KV_ROWS
+    return ref.new_empty((ref.shape[0], padded, *ref.shape[2:]))[:, :n]
+
+
+def _contiguous(shape) -> tuple:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(int(d), 1)
+    return tuple(reversed(out))
+
+
 class HostPayload:
     """A payload on the host: its items (host tensors, viewing the pool, and plain values) and the slices they hold."""
 
-    __slots__ = ("items", "slices", "written")
+    __slots__ = ("items", "slices", "written", "strides")
 
-    def __init__(self, items: tuple, slices: list[tuple[int, int]], written=None):
+    def __init__(self, items: tuple, slices: list[tuple[int, int]], written=None, strides: tuple = ()):
         self.items, self.slices = items, slices
         self.written = written  # CUDA: the event recorded after its copy down (None on the CPU)
+        self.strides = strides  # each tensor's strides on the device (a group's K/V rows padded: `kv_rows`), restored up
 
 
 class HostPool:
@@ -289,6 +308,7 @@ class HostPool:
                 return None
             slices.append((off, n))
         items, k, written = [], 0, None
+        strides = tuple(t.stride() for t in payload if isinstance(t, torch.Tensor))
         if self.cuda:
             self.down_stream.wait_stream(torch.cuda.current_stream(self.device))  # what wrote the payload
             self.down_stream.wait_stream(self.up_stream)  # copies up still reading slices freed since
@@ -311,7 +331,7 @@ class HostPool:
             written.record(self.down_stream)
         self.stats["copies_down"] += 1
         self.stats["bytes_down"] += sum(sizes)
-        return HostPayload(tuple(items), slices, written)
+        return HostPayload(tuple(items), slices, written, strides)
 
     def up(self, hp: HostPayload) -> tuple:
         t0 = time.perf_counter()
@@ -322,8 +342,7 @@ class HostPool:
             with torch.cuda.stream(self.up_stream):
                 if hp.written is not None:
                     self.up_stream.wait_event(hp.written)
-                dev = [torch.empty(h.shape, dtype=h.dtype, device=self.device) if isinstance(h, torch.Tensor) else h
-                       for h in hp.items]  # the up stream's blocks (see the module's docstring)
+                dev = self._like(hp, self.device)  # the up stream's blocks (see the module's docstring)
                 start.record()
                 for d, h in zip(dev, hp.items):
                     if isinstance(h, torch.Tensor):
@@ -334,12 +353,22 @@ class HostPool:
             self._timed.append((start, end))
             out = dev
         else:
-            out = [h.clone() if isinstance(h, torch.Tensor) else h for h in hp.items]
+            out = self._like(hp, "cpu")
+            for d, h in zip(out, hp.items):
+                if isinstance(h, torch.Tensor):
+                    d.copy_(h)
             self.stats["up_ms"] += 1e3 * (time.perf_counter() - t0)
         self.stats["copies_up"] += 1
         self.stats["bytes_up"] += sum(n for _, n in hp.slices)
         self.free(hp)
         return tuple(out)
+
+    @staticmethod
+    def _like(hp: HostPayload, device) -> list:
+        """Empty tensors for a payload's items, laid out as they were before the copy down (strides kept)."""
+        strides = iter(hp.strides)
+        return [torch.empty_strided(h.shape, next(strides, None) or _contiguous(h.shape), dtype=h.dtype, device=device)
+                if isinstance(h, torch.Tensor) else h for h in hp.items]
 
     def free(self, hp: HostPayload) -> None:
         with self._lock:

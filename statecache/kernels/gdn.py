@@ -92,27 +92,34 @@ def _delta_chunk_kernel(
         else:
             soff = 0
             keep = 1
-        for piece in range(0, n, BT):  # the chunks in order; this program owns its slice of the state throughout
-            Lc = tl.minimum(n - piece, BT)
-            t0 = bos + piece
+        # snapshots (NSNAP > 0): the state after the sequence's first at[b, m, 0] tokens (any position inside it;
+        # 0: none) also goes to slot at[b, m, 1] of snap; the chunks are cut there, so a chunk ends at each one
+        at_b = at_ptr + b * 2 * NSNAP
+        x0, snap0 = _snap_slot(at_b, 0, NSNAP, snap_ptr, ss_n)
+        x1, snap1 = _snap_slot(at_b, 1, NSNAP, snap_ptr, ss_n)
+        x2, snap2 = _snap_slot(at_b, 2, NSNAP, snap_ptr, ss_n)
+        cur = n * 0  # the chunks in order, each at most BT tokens and none across a snapshot; this program owns
+        while cur < n:  # its slice of the state throughout
+            end = tl.minimum(cur + BT, n)
+            if NSNAP > 0:
+                end = tl.where((x0 > cur) & (x0 < end), x0, end)
+                end = tl.where((x1 > cur) & (x1 < end), x1, end)
+                end = tl.where((x2 > cur) & (x2 < end), x2, end)
+            Lc = end - cur
+            t0 = bos + cur
             if SRC:
-                src = tl.multiple_of(tl.where(piece == 0, soff, 0), 16)  # the first chunk reads the source, later slot b
-                write = ((keep != 0) | (piece + BT < n)).to(tl.int32)
+                src = tl.multiple_of(tl.where(cur == 0, soff, 0), 16)  # the first chunk reads the source, later slot b
+                write = ((keep != 0) | (end < n)).to(tl.int32)
             else:
                 src = 0
                 write = 1
-            # snapshots (NSNAP > 0): the state after the sequence's first at[b, m, 0] tokens also goes to slot
-            # at[b, m, 1] of snap; a full chunk ending there writes it
-            at_b = at_ptr + b * 2 * NSNAP
-            snap0, hit0 = _snap_slot(at_b, 0, NSNAP, piece + Lc, Lc == BT, snap_ptr, ss_n)
-            snap1, hit1 = _snap_slot(at_b, 1, NSNAP, piece + Lc, Lc == BT, snap_ptr, ss_n)
-            snap2, hit2 = _snap_slot(at_b, 2, NSNAP, piece + Lc, Lc == BT, snap_ptr, ss_n)
             _delta_chunk(q_ptr + t0 * sq_t, k_ptr + t0 * sk_t, v_ptr + t0 * sv_t, g_ptr + t0 * sg_t, b_ptr + t0 * sb_t,
                          s_ptr, o_ptr + t0 * so_t, Lc, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
                          sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale,
-                         snap0, hit0, snap1, hit1, snap2, hit2, src, write,
+                         snap0, x0 == end, snap1, x1 == end, snap2, x2 == end, src, write,
                          GROUP, DK, BK, BT, LOG_BT, BV, DOT, RAW_QK, STORE, NSNAP, SRC)
             tl.debug_barrier()  # this chunk's state writes before the next chunk's reads (other threads)
+            cur = end
     else:
         no = L < 0
         _delta_chunk(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, L, sq_t, sq_h, sq_d, sk_t, sk_h, sk_d,
@@ -121,16 +128,17 @@ def _delta_chunk_kernel(
 
 
 @triton.jit
-def _snap_slot(at_b, m: tl.constexpr, NSNAP: tl.constexpr, end, full, snap_ptr, ss_n):
-    """Snapshot m of a sequence (its row of `at` at at_b): (its slot's address, whether the chunk ending at `end`,
-    full or not, writes it); a snapshot past NSNAP never writes."""
+def _snap_slot(at_b, m: tl.constexpr, NSNAP: tl.constexpr, snap_ptr, ss_n):
+    """Snapshot m of a sequence (its row of `at` at at_b): (its position, -1 for none, its slot's address); a
+    snapshot past NSNAP is none."""
     if m < NSNAP:
-        hit = (tl.load(at_b + 2 * m) == end) & full
+        x = tl.load(at_b + 2 * m)
+        x = tl.where(x > 0, x, -1)
         ptr = snap_ptr + tl.maximum(tl.load(at_b + 2 * m + 1), 0) * ss_n
     else:
-        hit = end < 0
+        x = -1
         ptr = snap_ptr
-    return ptr, hit
+    return x, ptr
 
 
 @triton.jit
@@ -277,8 +285,9 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     [cu[b], cu[b + 1]), at most lmax of them, all real), S [B, Hv, Dk, Dv] float32 (sequence b's state, updated in
     place), cu [B + 1] long on the device -> o [T, Hv, Dv] (zero for tokens of no sequence). A grid axis runs over
     the sequences; a program runs its sequence's MAX_TOKENS-token chunks in order, in one launch. Snapshots: with snap [N, Hv, Dk, Dv] float32 and snap_at [B, M, 2] long
-    (M <= 3; sequence b's state after its first snap_at[b, m, 0] tokens, a multiple of MAX_TOKENS, is also written
-    to snap[snap_at[b, m, 1]]; an offset no chunk ends at, e.g. 0, writes nothing). Sources: with src_off [B] long
+    (M <= 3; sequence b's state after its first snap_at[b, m, 0] tokens, any count inside the sequence, is also
+    written to snap[snap_at[b, m, 1]]: the sequence's chunks are cut there; 0, or an offset past the sequence,
+    writes nothing). Sources: with src_off [B] long
     (device), sequence b continues from the state at element offset src_off[b] from S[b] (a checkpoint's own tensor
     with S[b]'s strides, anywhere in memory: nothing is copied into the slot first; every offset a multiple of 16),
     and keep [B] long says whether its final state is written to S[b] (0: only the states between its chunks, for a

@@ -22,8 +22,8 @@ and returns the answers at each piece's slots; after it, the batch slots hold ea
 (pieces that keep it) and `chunk_kv` its chunk's K/V (the cache snapshots and plants from them). `precapture` captures every bucket's graph
 at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
 
-A piece may also keep *snapshots*: its state at positions inside it (multiples of 64 tokens from its start, at
-most SNAPS_PER_PIECE), written to slots of `st.snap_S` / `st.snap_conv` (at most `max_snaps` per forward) by the
+A piece may also keep *snapshots*: its state at positions inside it (at least SNAP_GAP tokens from its start, at
+most SNAPS_PER_PIECE; the delta rule's chunks are cut there), written to slots of `st.snap_S` / `st.snap_conv` (at most `max_snaps` per forward) by the
 delta-rule kernel as its chunk ends there and by a gather of the conv inputs; `snapshot` reads them. Only forwards
 that keep snapshots (graphs of their own, keyed so) run this (hits' questions alone never need it).
 
@@ -48,7 +48,8 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch-size buckets (sequences per graph)
 # packed-token buckets: a forward's matmuls run on its bucket's tokens, so past a few hundred tokens (where the
 # weight reads stop dominating) padding costs time; steps of at most 1.5x
 TOKENS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-CHUNK = 64  # the delta rule's chunk: snapshots sit at multiples of it from a piece's start
+CHUNK = 64  # the delta rule's chunk
+SNAP_GAP = 16  # a snapshot lies at least this far inside its piece (its conv tail: the inputs before it, all the piece's)
 MAX_PIECE = 512  # the most tokens one sequence of a batch may have
 SNAPS_PER_PIECE = 3  # the most snapshots inside one piece (kernels.gdn.delta_batch's limit)
 MAX_SNAPS = 16  # snapshot slots of a forward (each holds one GDN state of every layer: 48 MiB at the 9B shape)
@@ -77,7 +78,7 @@ class Piece:
     slots: tuple = ()
     nopts: tuple = ()  # per slot its options: a count (the first letters) or token ids (statecache.run.graphs.fill_options)
     route: int = 0  # specialists: the route its adapter layers run with
-    snaps: tuple = ()  # positions in (s, e), multiples of CHUNK from s, where its state is also kept (`snapshot`)
+    snaps: tuple = ()  # positions in [s + SNAP_GAP, e) where its state is also kept (`snapshot`)
     keep_state: bool = True  # leave its state at e in its slot (False: nobody reads it, e.g. after a question)
     images: object = None  # an image row's statecache.run.images.RowImages (its positions and embeddings), else None
 
@@ -133,7 +134,7 @@ class BatchState:
 @dataclass
 class Snaps:
     """Where a forward keeps states inside its pieces: `at` [Bb, SNAPS_PER_PIECE, 2] long (sequence b's offset from
-    its start, a multiple of CHUNK, or 0 for none; the snapshot slot), `rows` [slots * (W - 1)] long (the packed tokens
+    its start, at least SNAP_GAP, or 0 for none; the snapshot slot), `rows` [slots * (W - 1)] long (the packed tokens
     whose conv inputs make each slot's tail; unused slots read token 0), `host` (eager kernels: [(offset, slot)] per
     sequence)."""
 
@@ -343,14 +344,14 @@ class BatchRunner:
 
     def keys(self) -> list[tuple[int, int, bool]]:
         """Every (batch, tokens, snapshots) bucket a forward can take: at least a token per sequence, at most a
-        longest piece each; snapshots where a piece can be longer than one CHUNK."""
+        longest piece each; snapshots where a piece can hold one (more than SNAP_GAP tokens)."""
         out = []
         for B in self.batches:
             top = max(bucket(B * self.max_piece, self.tokens) or self.max_tokens, self.tokens[0])
             for T in self.tokens:
                 if B <= T <= top or T == self.tokens[0]:
                     out.append((B, T, False))
-                    if self.max_snaps and T > CHUNK and B <= T:
+                    if self.max_snaps and T > SNAP_GAP and B <= T:
                         out.append((B, T, True))
         return out
 
@@ -483,8 +484,8 @@ class BatchRunner:
                 raise NotBatched(f"a piece keeps at most {SNAPS_PER_PIECE} snapshots")
             for m, e in enumerate(pc.snaps):
                 c = e - pc.s
-                if not (CHUNK <= c < pc.e - pc.s and c % CHUNK == 0):
-                    raise NotBatched(f"snapshot at {e} is not a multiple of {CHUNK} inside [{pc.s}, {pc.e})")
+                if not (max(SNAP_GAP, W1) <= c < pc.e - pc.s):
+                    raise NotBatched(f"snapshot at {e} is not inside [{pc.s} + {max(SNAP_GAP, W1)}, {pc.e})")
                 at[b, m] = (c, slot)
                 buf[o_rows + slot * W1 : o_rows + (slot + 1) * W1] = np.arange(t + c - W1, t + c)
                 mine.append((c, slot))
@@ -548,8 +549,8 @@ class BatchRunner:
             n = pc.e - pc.s
             if not 0 < n <= self.max_piece or len(pc.slots) > self.max_slots:
                 raise NotBatched(f"piece [{pc.s}, {pc.e}) with {len(pc.slots)} slots does not fit a batch")
-            if pc.s and not (pc.K.is_contiguous() and pc.V.is_contiguous() and pc.K.shape[1] >= pc.s):
-                raise NotBatched("a piece's K/V must be contiguous and hold [0, s)")
+            if pc.s and not (pc.K[0].is_contiguous() and pc.V[0].is_contiguous() and pc.K.shape[1] >= pc.s):
+                raise NotBatched("a piece's K/V must be contiguous within each layer and hold [0, s)")
             if pc.S.shape != S_shape or pc.S.dtype != S_dtype or not (pc.S.stride()[1:] == S_inner
                                                                        or pc.S[0].is_contiguous()):
                 raise NotBatched("a piece's GDN states must be float32 [G, Hv, Dk, Dv], each layer's contiguous")

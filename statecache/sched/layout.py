@@ -1,6 +1,6 @@
-"""Where a state's checkpoints sit, in the engine's own terms: `p` (statecache.cache.index.state_end) and the planted
-positions (statecache.cache.index.plan_chunks: the state end p, p - tail, every multiple of stride below p, rounded down
-to align, only those deeper than the restored position). The numbers are the cache's settings
+"""Where a state's checkpoints sit, in the engine's own terms: `p` (statecache.cache.index.state_end: the state's end)
+and the planted positions (statecache.cache.index.plan_chunks: p, and p - tail and every multiple of stride below p
+rounded down to align, only those at least MIN_ADVANCE past the restored position). The numbers are the cache's settings
 (statecache.cache.config.CacheSettings: stride, tail, align); pieces are cut by the scheduler, which plants no extra positions for them. Pure
 arithmetic, no torch.
 """

@@ -7,8 +7,9 @@ stops at the first piece that does not fit (so nothing is served out of order):
 2. **short continuations** (a saved state with `short_tokens` or fewer left from its deepest checkpoint: a state
    grown by an action), first come first served, from that checkpoint to the question's end;
 3. **long computations** (new pages, states changed in the middle, rows the cache cannot take), first come first
-   served: each advances at most `chunk_tokens` a step, cut at multiples of `align` (the 64-token chunk of fla's
-   delta rule), never past p (nor a plain row's first slot, aligned down): the question [stop, n) is its own part.
+   served: each advances at most `chunk_tokens` a step, cut at multiples of `align` (so that the state's other
+   checkpoints, on that grid, are never just past a cut), never past p (nor a plain row's first slot, aligned down):
+   the question [stop, n) is its own part.
    A page so spreads over several steps and each step's hits ride along.
 The question part runs as one piece [stop, n) unless the runner's limits cut it: at most `max_piece` tokens a piece
 (cut at multiples of `align`) and at most `max_slots` answer slots a piece (cut at the first slot past them); a
@@ -43,6 +44,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from statecache.cache.index import MIN_ADVANCE
 from statecache.cache.policy import ColdContext, ColdPolicy, PlantWhenItFits
 from statecache.sched.layout import Layout
 from statecache.sched.view import CacheView
@@ -370,10 +372,11 @@ class Scheduler:
             e = self.question_end(job.row, s)
             if e - s > left and not empty:
                 return None  # (longer than the whole budget: alone in a step of its own)
-        elif n - s <= cap and self.question_end(job.row, job.stop) == n:
+        elif n - s <= cap and self.question_end(job.row, job.stop) == n and (
+                job.stop - s >= MIN_ADVANCE or job.stop not in job.todo):  # p inside it far enough to be kept there
             e = n
         else:
-            e = min(s + cap - cap % a, job.stop)
+            e = min((s + cap) - (s + cap) % a, job.stop)  # on the grid of the aligned checkpoints
             if e <= s:
                 return None
         plants = [pos for pos in job.todo if s < pos <= e]
