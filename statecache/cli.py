@@ -57,7 +57,7 @@ def _score(args) -> int:
     print(f"statecache: model {eng.model_dir} on {eng.device} ({str(eng.dtype).removeprefix('torch.')}), "
           f"loaded in {eng.load_s:.1f} s; {eng.budget.describe()}", file=sys.stderr)
     if eng.precapture_info is not None:
-        info = eng.precapture_info
+        info = eng.precapture_info["batch"]  # the step loop's graphs (Engine.precapture_info)
         print(f"statecache: precaptured {info['graphs']} graphs in {info['seconds']} s"
               + (f" (failed: {info['failed']})" if info["failed"] else ""), file=sys.stderr)
     out = sys.stdout
