@@ -154,8 +154,9 @@ class AgentTrace:
 
 def unbounded_reuse(rows: list[Row], align: int = ALIGN) -> list[int]:
     """For each row in order: the tokens an unbounded cache could restore, the longest prefix it shares with any
-    earlier row's state (and within its own state), aligned down. Rows of different agents share no prefix (random
-    ids), so only the same agent's earlier states are compared."""
+    earlier row's state (and within its own state): a whole earlier state as it is (a state's end is a checkpoint),
+    else aligned down (as if a checkpoint sat at every aligned position). Rows of different agents share no prefix
+    (random ids), so only the same agent's earlier states are compared."""
     seen: dict[int, list[np.ndarray]] = {}
     out = []
     for r in rows:
@@ -166,8 +167,10 @@ def unbounded_reuse(rows: list[Row], align: int = ALIGN) -> list[int]:
             if m <= best:
                 continue
             diff = np.flatnonzero(prev[:m] != ids[:m])
-            best = max(best, int(diff[0]) if len(diff) else m)
-        out.append(best - best % align)
+            shared = int(diff[0]) if len(diff) else m
+            whole = shared == len(prev)  # the earlier state is a prefix of this one: its end checkpoint serves
+            best = max(best, shared if whole else shared - shared % align)
+        out.append(best)
         states = seen.setdefault(r.agent, [])
         if not states or len(states[-1]) != r.state_len or not np.array_equal(states[-1], ids[: r.state_len]):
             states.append(ids[: r.state_len])

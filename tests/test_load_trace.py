@@ -21,11 +21,11 @@ def test_unbounded_reuse_by_hand():
     rng = random.Random(0)
     state = [rng.randrange(100, 500) for _ in range(300)]
     rows = [L.Row(0, state + [1, 2], 300, [301], [2]),  # new
-            L.Row(0, state + [3, 4, 5], 300, [302], [3]),  # same state: 256 aligned
-            L.Row(0, state + [7] * 100 + [1], 400, [400], [2]),  # grown: the old state, 300 -> 256
+            L.Row(0, state + [3, 4, 5], 300, [302], [3]),  # same state: its end, 300
+            L.Row(0, state + [7] * 100 + [1], 400, [400], [2]),  # grown: the old state's end, 300
             L.Row(0, state[:150] + [9] * 250 + [1], 400, [400], [2]),  # middle change at 150 -> 128
             L.Row(1, state + [1], 300, [300], [2])]  # another agent: never shares
-    assert L.unbounded_reuse(rows) == [0, 256, 256, 128, 0]
+    assert L.unbounded_reuse(rows) == [0, 300, 300, 128, 0]
 
 
 def test_trace_shape():
