@@ -27,7 +27,7 @@ from typing import Callable
 class ColdContext:
     """What the engine knows about one new state when it asks the policy."""
 
-    state_tokens: int  # tokens of the state (the row's state_len rounded down to the cache's alignment)
+    state_tokens: int  # tokens of the state: p, where its deepest checkpoint would sit (its state_len)
     state_bytes: int  # bytes its checkpoints and its K/V would take in the cache
     budget_bytes: int  # the cache's budget
     used_bytes: int  # bytes the cache holds now

@@ -19,8 +19,9 @@ A step holds at most `budget_tokens` tokens and `max_seqs` pieces (one piece per
 state), with one stated exception: a question piece (cut only by the rule above) longer than the whole budget runs
 alone in a step of its own.
 
-A computation plants the checkpoints the engine's rule gives (`Layout.positions`: p, p - tail, the multiples of
-stride below p, aligned, deeper than where it restored) in the piece whose range (start, end] holds each one (with
+A computation plants the checkpoints the engine's rule gives (`Layout.positions`: p, and p - tail and the multiples
+of stride below p, aligned; at least MIN_ADVANCE past where it restored) in the piece whose range (start, end] holds
+each one, never closer than MIN_ADVANCE to the start of a piece that keeps it inside itself (with
 `snapshots` False, where a runner cannot keep states inside a piece, each piece ends at the first one it reaches).
 A row may name a route (specialists): it restores only that route's checkpoints and waits only for a computation
 of the same route. A new
