@@ -399,6 +399,8 @@ def test_score_cli_precapture_flag_and_budget_line(monkeypatch, capsys):
         def __init__(self, *a, **kw):
             seen["precapture"] = kw.get("precapture")
             super().__init__(*a, **kw)
+            if kw.get("precapture"):  # what a CUDA start reports (the CPU captures no graphs)
+                self.precapture_info = {"batch": {"graphs": 7, "seconds": 1.5, "failed": []}}
 
     monkeypatch.setattr("statecache.engine.Engine", Spy)  # the CLI imports Engine when it runs
     for argv, want in ((["score", "--device", "cpu"], True), (["score", "--device", "cpu", "--no-precapture"], False)):
@@ -407,6 +409,7 @@ def test_score_cli_precapture_flag_and_budget_line(monkeypatch, capsys):
         out, err = capsys.readouterr()
         assert seen["precapture"] is want and json.loads(out)["path"] == "cold"
         assert "state cache budget 1024 MiB" in err and "cpu default" in err
+        assert ("precaptured 7 graphs in 1.5 s" in err) is want
 
 
 def test_rows_of_saved_states_run_batched(engine):
