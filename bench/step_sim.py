@@ -134,9 +134,12 @@ def make_view(layout: Layout):
 class Agents:
     """The closed loop: agent i's next row reaches the worker rtt after its last answer."""
 
-    def __init__(self, n: int, seed: int, rtt_s: float):
+    def __init__(self, n: int, seed: int, rtt_s: float, max_jobs: int = 0):
         self.trace = AgentTrace(n, seed, (1000, 248_000))
         self.rtt_s = rtt_s
+        self.max_jobs = max_jobs  # rows the worker holds at once (STATECACHE_MAX_JOBS; 0: no bound): the rest wait in
+        self.queued: list = []  # Redis, first in first out
+        self.held = 0
         self.serial = 0
         self.arrivals = []  # (time, Row, agent, submitted)
         for i in range(n):
@@ -151,14 +154,18 @@ class Agents:
         self.arrivals.append((t + self.rtt_s / 2, row))
 
     def due(self, t: float) -> list:
-        out = [r for at, r in self.arrivals if at <= t]
+        self.queued += [r for at, r in sorted(self.arrivals, key=lambda a: a[0]) if at <= t]
         self.arrivals = [(at, r) for at, r in self.arrivals if at > t]
+        k = len(self.queued) if not self.max_jobs else max(0, min(len(self.queued), self.max_jobs - self.held))
+        out, self.queued = self.queued[:k], self.queued[k:]
+        self.held += len(out)
         return out
 
     def next_arrival(self) -> float:
         return min(at for at, _ in self.arrivals)
 
     def answer(self, row, t: float, path: str, reused: int) -> None:
+        self.held -= 1
         self.records.append((row.submitted, t + self.rtt_s / 2, path, reused, row.n))
         self._next(row.agent, t + self.rtt_s / 2)
 
@@ -322,6 +329,9 @@ def main(argv=None) -> int:
                     help="steps as statecache.step runs them: the next planned while this one runs (use with "
                          "--step-turn-ms 0)")
     ap.add_argument("--policies", default="today,steps", help="which of today,steps to run")
+    ap.add_argument("--max-jobs", type=int, default=0,
+                    help="rows the worker takes from Redis at once, the rest waiting there in order (the worker's "
+                         "STATECACHE_MAX_JOBS, 32; default 0: every row goes straight to the scheduler)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -347,7 +357,7 @@ def main(argv=None) -> int:
     for n in map(int, args.agents.split(",")):
         for policy, B, C in configs:
             t0 = time.perf_counter()
-            agents = Agents(n, args.seed + n, args.rtt_ms / 1e3)
+            agents = Agents(n, args.seed + n, args.rtt_ms / 1e3, args.max_jobs)
             model.turn_ms = args.turn_ms if policy == "today" else args.step_turn_ms
             info = run_today(agents, model, args.seconds) if policy == "today" else \
                 run_steps(agents, model, args.seconds, B, C, args.max_piece, args.pipelined)
