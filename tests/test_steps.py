@@ -171,6 +171,24 @@ def test_long_questions_and_many_slots_run_through_the_step_as_the_plain_forward
     assert eng.cache.index.bytes == index_bytes_recount(eng.cache)
 
 
+def random_waves(eng: Engine, rng, waves: int) -> tuple[list[dict], list[dict]]:
+    """Waves of 4 random rows (new, same, grown, changed states) submitted between steps, then steps until none is
+    pending -> (the rows, their results in order)."""
+    states: list[list[int]] = []
+    rows, got = [], {}
+    for _ in range(waves):
+        wave = [{"op": o, "of": int(rng.integers(0, 50)), "new_len": int(rng.integers(64, 700)),
+                 "append": int(rng.integers(1, 200)), "where": float(rng.random()), "qlen": int(rng.integers(2, 20)),
+                 "slots": int(rng.integers(1, 3))} for o in rng.choice(["new", "same", "grow", "middle"], 4)]
+        batch = make_rows(wave, states, rng, note=lambda kind: None)
+        got.update(eng.submit(batch, list(range(len(rows), len(rows) + len(batch)))))
+        rows += batch
+        got.update(eng.step())
+    while eng.pending():
+        got.update(eng.step())
+    return rows, [got[i] for i in range(len(rows))]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_device_memory_running_out_at_random_forwards_changes_no_answer(seed):
     """A fault hook raises torch.OutOfMemoryError at a third of the step forwards while rows arrive in waves: the
@@ -191,21 +209,9 @@ def test_device_memory_running_out_at_random_forwards_changes_no_answer(seed):
 
     eng.runner.forward = sometimes_out
     try:
-        states: list[list[int]] = []
-        rows, got = [], {}
-        for w in range(6):
-            wave = [{"op": o, "of": int(rng.integers(0, 50)), "new_len": int(rng.integers(64, 700)),
-                     "append": int(rng.integers(1, 200)), "where": float(rng.random()), "qlen": int(rng.integers(2, 20)),
-                     "slots": int(rng.integers(1, 3))} for o in rng.choice(["new", "same", "grow", "middle"], 4)]
-            batch = make_rows(wave, states, rng, note=lambda kind: None)
-            got.update(eng.submit(batch, list(range(len(rows), len(rows) + len(batch)))))
-            rows += batch
-            got.update(eng.step())
-        while eng.pending():
-            got.update(eng.step())
+        rows, res = random_waves(eng, rng, 6)
     finally:
         eng.runner.forward = real
-    res = [got[i] for i in range(len(rows))]
     assert faults[0] > 0 and eng.steps.stats["oom_failed"] == 0
     assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
     check(eng, rows, res)
@@ -236,20 +242,8 @@ def test_answers_that_cannot_be_read_give_their_rows_back_and_change_no_answer(s
 
     eng.runner.read_later = sometimes_unreadable
     try:
-        states: list[list[int]] = []
-        rows, got = [], {}
-        for w in range(5):
-            wave = [{"op": o, "of": int(rng.integers(0, 50)), "new_len": int(rng.integers(64, 700)),
-                     "append": int(rng.integers(1, 200)), "where": float(rng.random()), "qlen": int(rng.integers(2, 20)),
-                     "slots": int(rng.integers(1, 3))} for o in rng.choice(["new", "same", "grow", "middle"], 4)]
-            batch = make_rows(wave, states, rng, note=lambda kind: None)
-            got.update(eng.submit(batch, list(range(len(rows), len(rows) + len(batch)))))
-            rows += batch
-            got.update(eng.step())
-        while eng.pending():
-            got.update(eng.step())
+        rows, res = random_waves(eng, rng, 5)
         assert faults[0] > 0 and eng.counts["retried"] > 0
-        res = [got[i] for i in range(len(rows))]
         assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
         check(eng, rows, res)
         eng.memo = Memo(4096)  # never readable: the row fails alone after its retries, the others are answered
