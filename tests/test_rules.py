@@ -176,6 +176,16 @@ def test_rows_doc_names_every_error_code():
     assert [c for c in protocol.ERROR_CODES if f"| `{c}` |" not in text] == []
 
 
+def test_the_scheduler_plants_no_closer_than_the_runner_keeps_states():
+    """run/ may not import cache/ (LAYER_RULES), so the two gaps are two constants: the scheduler's (no checkpoint
+    planted closer than MIN_ADVANCE past where a piece starts) must cover the runner's (a state kept inside a piece
+    lies at least SNAP_GAP inside it, past the conv's W - 1 inputs)."""
+    from statecache.cache.index import MIN_ADVANCE
+    from statecache.run.batch import SNAP_GAP
+
+    assert MIN_ADVANCE >= SNAP_GAP
+
+
 def test_cache_defaults_agree_with_the_cache():
     from statecache.cache.config import CacheSettings
 

@@ -50,7 +50,7 @@ def make_rows(seed: int, count: int, align: int, long_questions: bool = False):
         slots = sorted({len(state) + rng.randrange(len(q)), len(ids) - 1})
         if long_questions:
             slots = sorted(slots + [len(state) + rng.randrange(len(q)) for _ in range(rng.randint(0, 5))])
-        cacheable = rng.random() > 0.1 and state_end(len(state), align) > 0
+        cacheable = rng.random() > 0.1 and state_end(len(state)) > 0
         rows.append(Row(i, ids, len(state), slots, cacheable))
     return rows
 
@@ -72,7 +72,7 @@ class Driver:
             assert t < limit, "the scheduler stopped making progress"
             while queue and queue[0][0] <= t:
                 s.add(queue.pop(0)[1])
-            ready_hits = {r.rid for _, r in s._waiting if r.cacheable and state_end(r.state_len, s.layout.align) > 0
+            ready_hits = {r.rid for _, r in s._waiting if r.cacheable and state_end(r.state_len) > 0
                           and self._hit(r)}
             step = s.plan()
             check_step(self, step, ready_hits)
@@ -93,7 +93,7 @@ class Driver:
         return self
 
     def _hit(self, row):
-        p = state_end(row.state_len, self.s.layout.align)
+        p = state_end(row.state_len)
         found = self.s.view.lookup(row.ids, p)
         return found is not None and found.pos == p
 
@@ -103,7 +103,7 @@ def check_rows(d: Driver, layout: Layout, sched: Scheduler):
     assert set(d.finished) == {r.rid for r in d.rows}, "every row is answered"
     for r in d.rows:
         f, pcs = d.finished[r.rid], [pc for _, pc in d.pieces[r.rid]]
-        p = state_end(r.state_len, a)
+        p = state_end(r.state_len)
         assert pcs[0].start == f.reused and pcs[-1].end == r.n and f.computed == r.n - f.reused
         assert [pc.answer for pc in pcs] == [False] * (len(pcs) - 1) + [True]
         stop = p if r.cacheable else r.first_slot - r.first_slot % a
@@ -148,7 +148,7 @@ def check_budget(sched: Scheduler):
             assert len(step.pieces) == 1
             pc = step.pieces[0]
             row = next(r for r in d.rows if r.rid == pc.rid)
-            stop = state_end(row.state_len, sched.layout.align) if row.cacheable else \
+            stop = state_end(row.state_len) if row.cacheable else \
                 row.first_slot - row.first_slot % sched.layout.align
             assert pc.start >= stop
     return check
@@ -222,7 +222,7 @@ def test_rows_of_one_state_on_other_routes_do_not_wait_for_each_other():
     assert paths == {0: COLD, 1: COLD, 2: HIT}
     assert d.first_step[1] == d.first_step[0] < d.first_step[2]
     hit = d.pieces[2][0][1].restore
-    assert hit.route == 1 and hit.pos == state_end(1200, 64)
+    assert hit.route == 1 and hit.pos == state_end(1200)
 
 
 def test_a_position_with_more_slots_than_a_piece_takes_is_refused():
@@ -250,8 +250,8 @@ def test_rows_of_a_state_being_computed_wait_and_hit(seed, count, budget, chunk,
     assert paths == [COLD] + [HIT] * (count - 1)
     computer = next(f.row.rid for f in d.finished.values() if f.path == COLD)
     for step in d.steps:  # no step computes the state twice, nor hits it before its planting step is done
-        assert sum(pc.start < state_end(len(state), 64) for pc in step.pieces) <= 1
-    p = state_end(len(state), 64)
+        assert sum(pc.start < state_end(len(state)) for pc in step.pieces) <= 1
+    p = state_end(len(state))
     planted_at = next(serial for serial, pc in d.pieces[computer] if p in pc.plants)
     assert all(d.pieces[r.rid][0][0] > planted_at for r in rows if r.rid != computer)
 
@@ -268,7 +268,7 @@ def test_pages_first_come_first_served_and_hits_never_wait_behind_them(seed, pag
     saved = []
     for k in range(max(1, hits // 3)):
         st_ = [rng.randrange(1, 1 << 30) for _ in range(rng.randint(256, 2000))]
-        p = state_end(len(st_), 64)
+        p = state_end(len(st_))
         view.planted(("seed", k), st_, p, engine_positions(layout, 0, len(st_)), last=True)
         saved.append(st_)
     rows, arrivals = [], []

@@ -516,10 +516,10 @@ MIN_ADVANCE = 16  # a checkpoint this close past the position a computation rest
 # next to nothing; the step loop keeps states only this far inside a piece: statecache.run.batch.SNAP_GAP)
 
 
-def state_end(state_len: int, align: int) -> int:
+def state_end(state_len: int) -> int:
     """p: where a state of `state_len` tokens keeps its deepest checkpoint: its end, exactly (a question on it then
-    computes only its own tokens). The one place it is derived; the cache, the plan below and statecache.sched read
-    it here. `align` is the grid of the state's other checkpoints (plan_chunks), not of its end."""
+    computes only its own tokens; the state's other checkpoints lie on the `align` grid, plan_chunks). The one place
+    it is derived; the cache, the plan below and statecache.sched read it here."""
     return state_len
 
 
@@ -530,10 +530,10 @@ def plan_chunks(start: int, state_len: int, *, stride: int, tail: int, align: in
 
     With ``p = state_end(state_len)`` (the end itself): ``p``, and every multiple of ``stride`` below ``p``,
     ``p - tail`` and the ``extra`` positions below ``p`` (fork points), each rounded down to ``align`` and at least
-    ``MIN_ADVANCE`` below ``p``; only those at least ``MIN_ADVANCE`` past ``start``, sorted. The step loop plants exactly these (``max_chunk`` None); a
-    simulation of a runner whose chunks are at most ``max_chunk`` long splits a longer one at ``a + k * max_chunk``
-    from its own start ``a`` (those ends planted too). ``stride`` 0 or ``tail`` 0 disable those positions. ``[]``
-    when ``p < start + MIN_ADVANCE``.
+    ``MIN_ADVANCE`` below ``p``; only those at least ``MIN_ADVANCE`` past ``start``, sorted. The step loop plants
+    exactly these (``max_chunk`` None); a simulation of a runner whose chunks are at most ``max_chunk`` long
+    splits a longer one at ``a + k * max_chunk`` from its own start ``a`` (those ends planted too). ``stride`` 0 or
+    ``tail`` 0 disable those positions. ``[]`` when ``p < start + MIN_ADVANCE``.
     """
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
@@ -547,7 +547,7 @@ def plan_chunks(start: int, state_len: int, *, stride: int, tail: int, align: in
     def down(v: int) -> int:
         return v - v % align
 
-    p = state_end(state_len, align)
+    p = state_end(state_len)
     first = start + MIN_ADVANCE
     if p < first:
         return []

@@ -25,8 +25,8 @@ the memo or batching.
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +80,7 @@ class StateCache:
 
     def state_end(self, state_len: int) -> int:
         """p: where the state's deepest checkpoint sits, its end (statecache.cache.index.state_end)."""
-        return state_end(state_len, self.s.align)
+        return state_end(state_len)
 
     def eligible(self, state_len: int, slots) -> bool:
         """May this row's state be cached: a long enough state, 1..max_slots slots, all at or after p (rows with

@@ -83,20 +83,12 @@ def kv_rows(ref: torch.Tensor, n: int) -> torch.Tensor:
     return ref.new_empty((ref.shape[0], padded, *ref.shape[2:]))[:, :n]
 
 
-def _contiguous(shape) -> tuple:
-    out, step = [], 1
-    for d in reversed(shape):
-        out.append(step)
-        step *= max(int(d), 1)
-    return tuple(reversed(out))
-
-
 class HostPayload:
     """A payload on the host: its items (host tensors, viewing the pool, and plain values) and the slices they hold."""
 
     __slots__ = ("items", "slices", "written", "strides")
 
-    def __init__(self, items: tuple, slices: list[tuple[int, int]], written=None, strides: tuple = ()):
+    def __init__(self, items: tuple, slices: list[tuple[int, int]], written, strides: tuple):
         self.items, self.slices = items, slices
         self.written = written  # CUDA: the event recorded after its copy down (None on the CPU)
         self.strides = strides  # each tensor's strides on the device (a group's K/V rows padded: `kv_rows`), restored up
@@ -366,8 +358,8 @@ class HostPool:
     @staticmethod
     def _like(hp: HostPayload, device) -> list:
         """Empty tensors for a payload's items, laid out as they were before the copy down (strides kept)."""
-        strides = iter(hp.strides)
-        return [torch.empty_strided(h.shape, next(strides, None) or _contiguous(h.shape), dtype=h.dtype, device=device)
+        strides = iter(hp.strides)  # one per tensor item, in order
+        return [torch.empty_strided(h.shape, next(strides), dtype=h.dtype, device=device)
                 if isinstance(h, torch.Tensor) else h for h in hp.items]
 
     def free(self, hp: HostPayload) -> None:

@@ -27,7 +27,7 @@ class Layout:
 
     def end(self, state_len: int) -> int:
         """p: where the state's deepest checkpoint sits."""
-        return state_end(state_len, self.align)
+        return state_end(state_len)
 
     def positions(self, start: int, state_len: int, forks: tuple = ()) -> list[int]:
         """The checkpoints a state of `state_len` tokens plants when computed from `start` (0: nothing restored), with
