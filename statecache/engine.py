@@ -182,8 +182,8 @@ class Engine:
             self.cache.host.start()
 
     def _size_cache(self, settings: CacheSettings, largest: int) -> Budget:
-        """The cache's bound (statecache.cache.budget): the settings' figure, else on CUDA a fraction of the memory free now
-        (weights, static buffers and captured graphs are in place) less the largest forward's workspace, else the
+        """The cache's bound (statecache.cache.budget): the settings' figure, else on CUDA a fraction of the memory free
+        now (weights, static buffers and captured graphs are in place) less the largest forward's workspace, else the
         CPU default. Logged in MiB and in 4k-token states."""
         cfg, nbytes = self.model.cfg, torch.tensor([], dtype=self.dtype).element_size()
         free = workspace = None
@@ -479,8 +479,8 @@ class Engine:
 
     def state_key(self, raw) -> tuple | None:
         """A row's state as the cache knows it, for routing (statecache.cache.routing): (key tokens as an int64 array,
-        p = where its deepest checkpoint sits, state_len), as `_groups` and the index see them; None for a row the cache does not take
-        (bad, not eligible) or one with images (their key tokens need the images decoded). raw: a raw row (checked
+        p = where its deepest checkpoint sits, state_len), as `_groups` and the index see them; None for a row the
+        cache does not take (bad, not eligible) or one with images (their key tokens need the images decoded). raw: a raw row (checked
         here by `check_aside`, with its thread rules) or a CheckedRow."""
         checked = raw if isinstance(raw, CheckedRow) else self.check_aside(raw)
         if checked is None or checked.row is None:

@@ -4,8 +4,9 @@ Fingerprints. A state is known to the routing by fingerprints of its aligned pre
 p, align)` chains an 8-byte blake2b over the int64 bytes of each `align`-token block, so the k-th value names the
 tokens [0, k * align) and a row's whole list (every aligned depth of its state) costs one pass over its tokens.
 A cache's checkpoint at `pos` (statecache.cache.index; a state's end need not be a multiple of `align`) is advertised
-as `fingerprint(keys, pos rounded down to align, align)`, the value a row's list holds at that depth: the worker holding it advertises it (`FingerprintLedger`, fed by the
-index's observer calls on plant, hit and eviction) and a row finds its deepest held depth by looking its list up.
+as `fingerprint(keys, pos rounded down to align, align)`, the value a row's list holds at that depth: the worker
+holding it advertises it (`FingerprintLedger`, fed by the index's observer calls on plant, hit and eviction) and a
+row finds its deepest held depth by looking its list up.
 A fingerprint only sends a row somewhere: the lookup inside the worker stays token-exact (statecache.cache.index), so a
 collision costs a cold row, never a wrong answer. A row's keys and p come from the engine (`Engine.state_key`), the
 one place that tokenises and aligns a row.

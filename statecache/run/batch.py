@@ -23,8 +23,8 @@ and returns the answers at each piece's slots; after it, the batch slots hold ea
 at start-up. A group's K/V must stay alive until the forward that reads them is done (the callers hold them).
 
 A piece may also keep *snapshots*: its state at positions inside it (at least SNAP_GAP tokens from its start, at
-most SNAPS_PER_PIECE; the delta rule's chunks are cut there), written to slots of `st.snap_S` / `st.snap_conv` (at most `max_snaps` per forward) by the
-delta-rule kernel as its chunk ends there and by a gather of the conv inputs; `snapshot` reads them. Only forwards
+most SNAPS_PER_PIECE; the delta rule's chunks are cut there), written to slots of `st.snap_S` / `st.snap_conv` (at
+most `max_snaps` per forward) by the delta-rule kernel as its chunk ends there and by a gather of the conv inputs; `snapshot` reads them. Only forwards
 that keep snapshots (graphs of their own, keyed so) run this (hits' questions alone never need it).
 
 Who runs which piece, and what is kept of it, is statecache.step's (the step loop over statecache.sched's
