@@ -78,6 +78,7 @@ class Row:
     state_len: int
     slots: list[int]
     nopts: list[int]
+    new_page: bool = False  # the first row of a visit to a page no earlier row had (the agent's first, or replaced)
 
     def wire(self) -> dict:
         return {"ids": self.ids, "state_len": self.state_len, "slots": self.slots, "nopts": self.nopts}
@@ -93,6 +94,7 @@ class AgentState:
         self.goal = self._tokens(rng.randint(40, 200))
         self.steps = [self._tokens(rng.randint(20, 80)) for _ in range(rng.randint(2, 8))]
         self.page = self._new_page()
+        self.fresh = True  # the page is new: the next visit's first row computes it
         self.moves: Counter = Counter()
 
     def _tokens(self, n: int) -> list[int]:
@@ -118,7 +120,8 @@ class AgentState:
             slots = [n - 1]
             if self.rng.random() < 0.5 and len(q) > 4:
                 slots.insert(0, len(state) + self.rng.randrange(1, len(q) - 1))
-            rows.append(Row(self.index, state + q, len(state), slots, [self.rng.randint(2, 6) for _ in slots]))
+            rows.append(Row(self.index, state + q, len(state), slots, [self.rng.randint(2, 6) for _ in slots],
+                            new_page=self.fresh and not rows))
         self._move()
         return rows
 
@@ -126,12 +129,14 @@ class AgentState:
         action = self._tokens(self.rng.randint(30, 150))
         if self.rng.random() < 0.75 and len(self.state()) + len(action) <= self.max_state:
             self.page += action  # the page grows at its end
+            self.fresh = False
             self.moves["grow"] += 1
         else:
             self.steps.append(self._tokens(self.rng.randint(20, 80)))  # a step taken, a new page
             if self._head() > self.max_state // 2:
                 self.steps = self.steps[-4:]  # an agent's history is summarised now and then
             self.page = self._new_page()
+            self.fresh = True
             self.moves["replace"] += 1
 
 
@@ -207,6 +212,7 @@ class Record:
     probs: list | None = None
     error: str | None = None
     ideal: int = 0
+    new_page: bool = False  # Row.new_page
 
 
 def summarise(records: list[Record], elapsed_s: float, answered: int | None = None) -> dict:
@@ -224,6 +230,7 @@ def summarise(records: list[Record], elapsed_s: float, answered: int | None = No
         "paths": {p: len(by_path.get(p, [])) for p in sorted(set(PATHS) | set(by_path))},
         "latency": lat_summary([r.ms for r in ok]),
         "latency_by_path": {p: lat_summary(v) for p, v in sorted(by_path.items())},
+        "latency_new_page": lat_summary([r.ms for r in ok if r.new_page]),
         "tokens": tokens, "tokens_reused": reused, "tokens_reused_unbounded": ideal,
         "reused_vs_unbounded": round(reused / ideal, 4) if ideal else None,
         "reused_of_all_tokens": round(reused / tokens, 4) if tokens else None,
@@ -242,7 +249,7 @@ def steady_summary(records: list[Record], elapsed_s: float, warmup_s: float) -> 
     s = summarise(timed, max(elapsed_s - warmup_s, 1e-9), answered)
     s["warmup_s"] = warmup_s
     s["from_start"] = {k: whole[k] for k in ("rows", "failed", "seconds", "rows_per_s", "paths", "latency",
-                                             "latency_by_path", "reused_of_all_tokens")}
+                                             "latency_by_path", "latency_new_page", "reused_of_all_tokens")}
     return s
 
 
@@ -301,7 +308,7 @@ async def run_agents(client: Client, trace: AgentTrace, seconds: float, max_rows
         while time.perf_counter() < until and (not max_rows or len(records) < max_rows):
             row = trace.next_row(i)
             t0 = time.perf_counter()
-            rec = Record(i, row.state_len, len(row.ids), 0.0)
+            rec = Record(i, row.state_len, len(row.ids), 0.0, new_page=row.new_page)
             try:
                 res = await client.answer(row.wire(), timeout_s=timeout_s)
                 rec.path, rec.reused, rec.computed = res["path"], int(res["reused"]), int(res["computed"])
@@ -403,6 +410,7 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
                   f"p50 {s['latency']['p50_ms']} ms, p99 {s['latency']['p99_ms']} ms, "
                   f"hit p50 {s['latency_by_path'].get('hit', {}).get('p50_ms')} ms, "
                   f"cold p50 {s['latency_by_path'].get('cold', {}).get('p50_ms')} ms, "
+                  f"new page p50 {s['latency_new_page']['p50_ms']} ms (n {s['latency_new_page']['n']}), "
                   + (f"from the start {f['rows_per_s']} rows/s p99 {f['latency']['p99_ms']} ms, " if f else "") +
                   f"reused {s['tokens_reused']} of unbounded {s['tokens_reused_unbounded']}, failed {s['failed']}, "
                   f"GPU busy {s['gpu_busy_pct']}%, "
@@ -457,7 +465,7 @@ def score_phase(args, rows: list[Row], check=()) -> tuple[dict, list[Record]]:
             if first_answer_s is None:
                 first_answer_s = round(time.time() - t0, 2)
             res = json.loads(line)
-            rec = Record(row.agent, row.state_len, len(row.ids), ms, ideal=want)
+            rec = Record(row.agent, row.state_len, len(row.ids), ms, ideal=want, new_page=row.new_page)
             if "error" in res:
                 rec.error = str(res["error"])
             else:
@@ -603,14 +611,16 @@ def markdown(res: dict) -> str:
             f"{n} agents: peak {m['peak_allocated']:,.0f}, reserved {m['reserved']:,.0f}, free {m['free']:,.0f}"
             for n, m in mem if m), ""]
     lines += ["| agents | rows/s | rows | failed | memo | hit | partial | cold | plain | p50 ms | p99 ms | hit p50 ms | "
-              "hit p99 ms | reused / unbounded | reused of all tokens | GPU busy % |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "hit p99 ms | new page p50 ms | reused / unbounded | reused of all tokens | GPU busy % |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| ---: |"]
     for n, s in res.get("worker", {}).get("configs", {}).items():
         p, hit = s["paths"], s["latency_by_path"].get("hit", {})
         lines.append(f"| {n} | {fmt(s['rows_per_s'])} | {s['rows']} | {s['failed']} | "
                      + " | ".join(str(p.get(k, 0)) for k in PATHS)
                      + f" | {fmt(s['latency']['p50_ms'])} | {fmt(s['latency']['p99_ms'])} | {fmt(hit.get('p50_ms'))} | "
-                     f"{fmt(hit.get('p99_ms'))} | {fmt(s['reused_vs_unbounded'])} | {fmt(s['reused_of_all_tokens'])} | "
+                     f"{fmt(hit.get('p99_ms'))} | {fmt(s.get('latency_new_page', {}).get('p50_ms'))} | "
+                     f"{fmt(s['reused_vs_unbounded'])} | {fmt(s['reused_of_all_tokens'])} | "
                      f"{fmt(s.get('gpu_busy_pct'))} |")
     starts = [(n, s["warmup_s"], s["from_start"]) for n, s in cfgs.items() if s.get("from_start")]
     if starts:  # the same runs counted from the agents' start, synchronised first visits included

@@ -12,7 +12,8 @@
 #   load        bench/load_bench.py, random 9B checkpoint, 16 and 64 agents through the worker, score, transformers (540)
 #   load16      the same with 16 agents only, no score or transformers (360: a cold start alone took 229 s)
 #   load16s     16 agents, then score and transformers on 8 rows (560)
-#   load1664    16 then 64 agents, no score or transformers (420); @PROFILE_S=S profiles the worker S seconds after each
+#   load1664    16 then 64 agents, no score or transformers (420); @PROFILE_S=S profiles the worker S seconds after each;
+#               @AGENTS=4,16,64 runs those agents counts instead
 #   load64      64 agents only, no score or transformers (400)
 #   load16score 16 agents, then score; no transformers (480)
 #   score       statecache score alone (load_bench --skip-worker), 60 timed rows with --timings (400)
@@ -82,7 +83,7 @@ run_step() {
                   --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 8 >"$dir/log.txt" 2>&1 ;;
         load16score) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
                   --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
-        load1664) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16,64 \
+        load1664) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents "${AGENTS:-16,64}" \
                   --seconds 30 --score-rows 0 --hf-rows 0 --profile-s "${PROFILE_S:-0}" >"$dir/log.txt" 2>&1 ;;
         load64) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 64 \
                   --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;

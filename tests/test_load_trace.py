@@ -65,3 +65,25 @@ def test_steady_summary_leaves_the_warm_up_out():
     assert s["from_start"]["rows_per_s"] == round(6 / 20.0, 3)
     whole = L.steady_summary(records, 20.0, 0.0)
     assert whole["rows"] == 6 and "from_start" not in whole
+
+
+def test_new_page_rows_are_each_new_pages_first_question():
+    """Row.new_page marks exactly the first row of an agent's first visit and of each visit after its page was
+    replaced: the row whose state shares no earlier row's page (the rows `latency_new_page` counts)."""
+    L = _bench()
+    tr = L.AgentTrace(2, seed=7, vocab=(10, 1000), min_state=2000, max_state=6000)
+    rows = tr.interleaved(200)
+    last: dict[int, list[int]] = {}
+    for r in rows:
+        state = r.ids[: r.state_len]
+        prev = last.get(r.agent)
+        continues = prev is not None and state[: len(prev)] == prev  # the same state, or grown at its end
+        assert r.new_page == (not continues), (r.agent, r.state_len)
+        last[r.agent] = state
+    assert 0 < sum(r.new_page for r in rows) < len(rows) / 4
+    recs = [L.Record(r.agent, r.state_len, len(r.ids), 100.0 + 900.0 * r.new_page, "partial", new_page=r.new_page)
+            for r in rows]
+    for rec in recs:
+        rec.ideal = rec.reused = 0
+    s = L.summarise(recs, 10.0)
+    assert s["latency_new_page"]["n"] == sum(r.new_page for r in rows) and s["latency_new_page"]["p50_ms"] == 1000.0
