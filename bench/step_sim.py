@@ -44,6 +44,7 @@ for p in (ROOT, ROOT / "bench"):
 from load_bench import AgentTrace  # noqa: E402
 
 from statecache.cache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
+from statecache.settings import Settings  # noqa: E402
 from statecache.dev.checkpoints import real_shape  # noqa: E402
 from statecache.model.config import parse_config  # noqa: E402
 from statecache.sched import IndexView, Layout, Row, Scheduler  # noqa: E402
@@ -331,7 +332,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="today,steps", help="which of today,steps to run")
     ap.add_argument("--max-jobs", type=int, default=0,
                     help="rows the worker takes from Redis at once, the rest waiting there in order (the worker's "
-                         "STATECACHE_MAX_JOBS, 32; default 0: every row goes straight to the scheduler)")
+                         f"STATECACHE_MAX_JOBS, {Settings.from_env({}).max_jobs}; default 0: every row goes straight "
+                         "to the scheduler)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

@@ -55,7 +55,9 @@ class Settings:
     host_cache_mb: int | None = _f(None, "STATECACHE_HOST_CACHE_MB", "host-memory tier for the states the device budget cannot keep, in MiB (on cuda pinned in 256 MiB slabs, one registered beside each forward after start-up, and kept); 0 turns it off (default: half the host's MemAvailable, at most 256 GiB; logged at start-up)")
     cache_stride: int = _f(CacheSettings.stride, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
     # --- the worker
-    max_jobs: int = _f(32, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
+    # 16: a worker holding more rows than a step serves answers its hits first and starves new pages (64 agents on
+    # an H100: p99 1.8 s at 16, 3.3 s at 32, the same rows/s; bench/README.md "The worker's intake")
+    max_jobs: int = _f(16, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
     poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "arq polls the queue this often")
     job_timeout_s: float = _f(JOB_TIMEOUT_S, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")
     drain_s: float = _f(30.0, "STATECACHE_DRAIN_S", "on SIGTERM: finish rows in flight for up to this long, then exit")

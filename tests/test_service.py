@@ -353,7 +353,8 @@ def test_sigkill_with_rows_in_flight_loses_none(queue_name, tmp_path, monkeypatc
     with LocalRedis() as server:
         r = redis_sync.Redis.from_url(server.url)
         first = WorkerProcess(server.url, queue_name, tmp_path / "first.log", STATECACHE_ENGINE="tests.fakes:held_engine",
-                              TEST_ENGINE_DELAY_S=60, STATECACHE_JOB_TIMEOUT_S=job_timeout_s).start()
+                              TEST_ENGINE_DELAY_S=60, STATECACHE_JOB_TIMEOUT_S=job_timeout_s,
+                              STATECACHE_MAX_JOBS=32).start()  # takes all 20 at once
         again = WorkerProcess(server.url, queue_name, tmp_path / "again.log", STATECACHE_ENGINE="tests.fakes:held_engine",
                               TEST_ENGINE_DELAY_S=0.1, STATECACHE_JOB_TIMEOUT_S=job_timeout_s)
         try:
