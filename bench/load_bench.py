@@ -415,8 +415,18 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
                   f"reused {s['tokens_reused']} of unbounded {s['tokens_reused_unbounded']}, failed {s['failed']}, "
                   f"GPU busy {s['gpu_busy_pct']}%, "
                   f"worker timing {s['worker_stats'].get('worker', {}).get('timing')}, "
-                  f"engine phases {s['worker_stats'].get('engine', {}).get('phases')}", file=sys.stderr, flush=True)
+                  f"engine phases {s['worker_stats'].get('engine', {}).get('phases')}, "
+                  f"forwards' tokens / padded since start-up {padding(s)}", file=sys.stderr, flush=True)
     return out
+
+
+def padding(s: dict) -> str | None:
+    """'tokens / padded (share padding)' of the worker's batched forwards since its start-up (the runner's token
+    buckets: a forward's matmuls run on its bucket), from a config's worker_stats; None where it reports none."""
+    b = s.get("worker_stats", {}).get("engine", {}).get("batch", {})
+    if not b.get("padded_tokens"):
+        return None
+    return f"{b['tokens']} / {b['padded_tokens']} ({100 * (1 - b['tokens'] / b['padded_tokens']):.1f}% padding)"
 
 
 # ---- statecache score, one row at a time --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from statecache.cache.store import Answer, StateCache
 from statecache.kernels.dispatch import TorchKernels
-from statecache.run.batch import MAX_PIECE, MAX_SNAPS, BatchRunner, NotBatched, Piece
+from statecache.run.batch import MAX_PIECE, MAX_SNAPS, BatchRunner, NotBatched, Piece, bucket
 from statecache.step import RowFailed, Steps
 from tests.cache_util import (MAX_POS, VOCAB, assert_close, index_bytes_recount, max_diff, one_thread,
                               make_steps, reference, run_rows, small_model, small_runner, toks)
@@ -76,12 +76,17 @@ def test_hits_and_grown_states_in_one_batch(pad):
     rows = [row(states[0], 20, 1, 2), row(states[2], 1, 2), row(grown, 12, 3), row(states[3], 64, 4, 3),
             row(states[0], 80, 5)]  # 124 tokens from p: over one 64-token delta chunk
     made, forwards = cache.stats["ckpts_made"], runner.stats["forwards"]
+    tokens, padded = runner.stats["tokens"], runner.stats["padded_tokens"]
     ans = run_rows(steps, rows)
     check(cache, rows, ans)
     assert [(a.path, a.reused) for a in ans] == [("hit", 300), ("hit", 314), ("partial", 307), ("hit", 321),
                                                  ("hit", 300)]
     assert cache.stats["ckpts_made"] == made + 1
     assert runner.stats["forwards"] - forwards == 1  # the grown state plants inside its own piece, beside the hits
+    ran = 20 + 1 + (30 + 12) + 64 + 80  # each row's tokens past its checkpoint (the grown state's from 307)
+    assert sum(a.computed for a in ans) == ran
+    assert runner.stats["tokens"] - tokens == ran
+    assert runner.stats["padded_tokens"] - padded == (bucket(ran, runner.tokens) if pad else ran)
     # the grown state's checkpoint is there: its next question is a hit on 337
     again = run_rows(steps, [row(grown, 5, 6)])
     assert again[0].path == "hit" and again[0].reused == 337

@@ -87,3 +87,10 @@ def test_new_page_rows_are_each_new_pages_first_question():
         rec.ideal = rec.reused = 0
     s = L.summarise(recs, 10.0)
     assert s["latency_new_page"]["n"] == sum(r.new_page for r in rows) and s["latency_new_page"]["p50_ms"] == 1000.0
+
+
+def test_padding_reads_the_runner_counts():
+    L = _bench()
+    s = {"worker_stats": {"engine": {"batch": {"tokens": 1500, "padded_tokens": 2048}}}}
+    assert L.padding(s) == "1500 / 2048 (26.8% padding)"
+    assert L.padding({"worker_stats": {"engine": {}}}) is None

@@ -329,7 +329,8 @@ class BatchRunner:
         self.graphs: dict[tuple[int, int, bool], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
-        self.stats.update(forwards=0, sequences=0)
+        # tokens: the pieces' own; padded_tokens: what the forwards ran (their token buckets: the matmuls' work)
+        self.stats.update(forwards=0, sequences=0, tokens=0, padded_tokens=0)
         self.failures: list[str] = []
         self._out_host: torch.Tensor | None = None
 
@@ -564,7 +565,7 @@ class BatchRunner:
         Bb, Tb, snaps = key
         if not self.use_graphs or images:  # eagerly (pieces holding image tokens: their positions and embeddings)
             inp, snap_host = self._pack(pieces, Bb, Tb, snaps)
-            self._count(B)
+            self._count(B, T, Tb)
             g = self._views(torch.from_numpy(inp).to(self.device), Bb, Tb, snaps)
             mm = self._multimodal(pieces, g.pos, Tb) if images else None
             with torch.no_grad():
@@ -573,7 +574,7 @@ class BatchRunner:
         else:  # packed straight into the graph's staging copy
             g = self._graph(key)
             self._send(g, lambda buf: self._pack(pieces, Bb, Tb, snaps, buf))
-            self._count(B)
+            self._count(B, T, Tb)
             g.graph.replay()
             out = g.out
         return out.view(Bb, self.max_slots, -1)[:B]
@@ -595,9 +596,11 @@ class BatchRunner:
             t += n
         return pos3, ((torch.cat(idx), torch.cat(vals)) if idx else None)
 
-    def _count(self, B: int) -> None:
+    def _count(self, B: int, T: int, Tb: int) -> None:
         self.stats["forwards"] += 1
         self.stats["sequences"] += B
+        self.stats["tokens"] += T
+        self.stats["padded_tokens"] += Tb
 
     @staticmethod
     def _send(g: _Graph, fill) -> None:
