@@ -18,7 +18,8 @@ enqueueing to QUEUE. A `Router` task in every worker:
   the id stays ready in QUEUE and the dispatcher chooses again): into its queue with its score, and it stays in
   QUEUE parked `PARKED_MS` in the future (no dispatcher sees it as ready, while arq's Job.result() and status(),
   which look for the id in QUEUE, still find it) until its result is stored (`finished`, from arq's after_job_end;
-  `SWEEP` for jobs arq ended without running them). arq's job and result keys, and so every producer, are untouched;
+  `SWEEP` for jobs arq ended without running them). arq's job and result keys, and so every producer, are untouched.
+  The ids a round moved to this worker's own queue go to `on_routed_here` (worker.jobs starts them at once);
 - takes, when idle (nothing in its queue, nothing on its GPU thread), ids that have waited past `route_grace_s` in
   another worker's queue (statecache.cache.routing.take_from; `MOVE`, from that queue to its own, only while it is live);
 - recovers a dead worker (its id listed, no heartbeat, live or draining): its queue's ids go back to QUEUE and arq's
@@ -192,6 +193,8 @@ class Router:
         self._stop_task: asyncio.Task | None = None
         self._closing = False
         self.stopping = False  # told to stop: takes nothing new, beats as draining (stop())
+        # called with the ids a dispatch round moved to this worker's own queue (worker.jobs starts them at once)
+        self.on_routed_here: Any = None
         self._last_beat = 0.0
         self._last_idle = 0.0
         self._beats = 0
@@ -478,7 +481,7 @@ class Router:
                 depth = max((d + 1 for d, v in enumerate(vals) if v is not None), default=0)
                 if depth:
                     held[i][w] = depth
-        moved = 0
+        moved, here = 0, []
         for j, k, h, (_, checked) in zip(ids, keys, held, routed):  # checked: (digest, CheckedRow) or None
             while loads:
                 if k is False:
@@ -496,11 +499,15 @@ class Router:
                 if done:
                     moved += 1
                     loads[target] = loads.get(target, 0) + 1
-                    if target == self.id and checked is not None:  # its job runs here: tokenised already
-                        self.prep.remember(*checked)
+                    if target == self.id:
+                        here.append(j)
+                        if checked is not None:  # its job runs here: tokenised already
+                            self.prep.remember(*checked)
                     if reason is not None:
                         self._count(reason)
                 break
+        if here and self.on_routed_here is not None and not self.stopping:
+            self.on_routed_here(here)
         return moved
 
     async def _beating(self, work):

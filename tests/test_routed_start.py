@@ -1,0 +1,92 @@
+"""A job the router moves to its own worker's queue starts at once (worker.jobs._start_routed_jobs_at_once), not at
+arq's next poll of that queue: as many as arq has slots free, through arq's own start transaction, and none once
+arq stops picking jobs. A real Router and a real arq Worker (not polling: its poll would start the jobs itself) on
+a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgpack
+import redis.asyncio as redis_async
+from arq.worker import Worker, func
+
+from statecache.cache.routing import FingerprintLedger
+from statecache.protocol import IN_PROGRESS_KEY_PREFIX, JOB_KEY_PREFIX, deserialize, private_queue, serialize
+from statecache.settings import Settings
+from worker.jobs import _start_routed_jobs_at_once
+from worker.routing import Router
+
+
+class IdleGpu:
+    """What the router reads of the GPU thread: nothing running, nothing pending, no engine (rows route by home)."""
+
+    engine = None
+    busy = False
+
+    def pending(self) -> int:
+        return 0
+
+    def making_progress(self, stuck_s: float) -> bool:
+        return True
+
+
+def job(n: int) -> bytes:
+    row = {"ids": [10 + (n * 7 + i) % 50 for i in range(80)], "state_len": 70, "slots": [79], "nopts": [3]}
+    return msgpack.packb({"f": "answer", "a": [row], "k": {}, "t": None, "et": int(time.time() * 1000)})
+
+
+def test_jobs_routed_here_start_without_waiting_for_arqs_poll(redis_url):
+    q = f"statecache:start:{uuid.uuid4().hex[:10]}"
+    settings = Settings(redis_url=redis_url, queue=q, metrics_port=0, route_ttl_s=60, route_grace_s=0,
+                        health_interval_s=1)
+    release = asyncio.Event()
+    ran: list[dict] = []
+
+    async def answer(ctx, row):  # holds its arq slot until released
+        ran.append(row)
+        await release.wait()
+        return {"ok": True}
+
+    async def main():
+        r = redis_async.Redis.from_url(redis_url)
+        ids = [f"j{n}-{uuid.uuid4().hex[:6]}" for n in range(5)]
+        try:
+            arq_worker = Worker(functions=[func(answer, name="answer")], redis_pool=r, queue_name=private_queue(q, "w0"),
+                                max_jobs=2, poll_delay=3600, job_serializer=serialize, job_deserializer=deserialize,
+                                handle_signals=False, keep_result=5)
+            router = Router(r, settings, "w0", IdleGpu(), FingerprintLedger(64))
+            _start_routed_jobs_at_once(arq_worker, router)
+            await router.beat()
+            for n, j in enumerate(ids[:3]):
+                await r.set(JOB_KEY_PREFIX + j, job(n))
+                await r.zadd(q, {j: int(time.time() * 1000) - 1000})
+            assert await router.dispatch() == 3  # all three to w0, the one live worker
+            for _ in range(1000):  # up to 10 s
+                if len(ran) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            started = {j for j in ids[:3] if await r.exists(IN_PROGRESS_KEY_PREFIX + j)}
+            assert len(ran) == 2 and len(started) == 2 and set(arq_worker.tasks) == started  # two slots, two started
+            left = set(ids[:3]) - started
+            assert {m.decode() for m in await r.zrange(private_queue(q, "w0"), 0, -1)} >= left  # the third waits
+
+            arq_worker.allow_pick_jobs = False  # a drain: nothing new starts
+            release.set()
+            await asyncio.gather(*arq_worker.tasks.values())
+            for n, j in enumerate(ids[3:], 3):
+                await r.set(JOB_KEY_PREFIX + j, job(n))
+                await r.zadd(q, {j: int(time.time() * 1000) - 1000})
+            assert await router.dispatch() == 2
+            await asyncio.sleep(0.2)
+            assert len(ran) == 2 and not any([await r.exists(IN_PROGRESS_KEY_PREFIX + j) for j in ids[3:]])
+        finally:
+            keys = [k async for k in r.scan_iter(match=f"*{q}*")]
+            keys += [p + j for j in ids for p in (JOB_KEY_PREFIX, IN_PROGRESS_KEY_PREFIX, "arq:retry:", "arq:result:")]
+            await r.delete(*keys)
+            await r.aclose()
+
+    asyncio.run(main())
