@@ -20,7 +20,8 @@ raises one of its own errors, all `ClientError`s:
 Through a Redis outage (a restart, a failover) the client keeps trying with backoff until its timeout: a job
 enqueued before the outage is still answered once Redis is back (with append-only persistence). A result
 arrives as soon as the worker publishes the job id on the queue's done channel; a missed message costs at most
-one `RESULT_POLL_S` poll. Each result is read once (a plain GET, which a Redis at its maxmemory still answers),
+one `RESULT_POLL_S` poll. Each job enqueued is announced on the queue's enqueued channel, which wakes the workers'
+routers at once (a bare `enqueue_job` waits for their next poll, `STATECACHE_POLL_DELAY_S`). Each result is read once (a plain GET, which a Redis at its maxmemory still answers),
 then deleted.
 
 The URL is read as the worker reads REDIS_URL (statecache.redis_url: every form redis-py accepts, `?password=`,
@@ -43,13 +44,14 @@ from redis.exceptions import BusyLoadingError, ConnectionError, OutOfMemoryError
 from redis.exceptions import WatchError
 
 from statecache.protocol import JOB_ANSWER, JOB_PROFILE, JOB_STATS, RESULT_KEY_PREFIX, RemoteJobError, deserialize, done_channel
-from statecache.protocol import REFUSED, job_lifetime_s, redact, serialize
+from statecache.protocol import REFUSED, enqueued_channel, job_lifetime_s, redact, serialize
 from statecache.redis_url import connection_pool
 from statecache.settings import Settings
 
 log = logging.getLogger("statecache.producer")
 
 RESULT_POLL_S = 0.1  # fallback poll for a result when its done message was missed
+ANNOUNCE_TIMEOUT_S = 1.0  # a job's announcement (the enqueued channel) is given up after this: the routers poll
 RETRY_MAX_S = 1.0  # backoff cap while Redis does not answer (or answers with a passing error: QueueError)
 CONNECT_TIMEOUT_S = 1.0  # a connection attempt (unless the URL's socket_connect_timeout says otherwise)
 LOST = (ConnectionError, TimeoutError, BusyLoadingError, OSError)
@@ -259,6 +261,7 @@ class Client:
                 if job is None and not failures:
                     raise WorkerError(f"job id {job_id} already exists")
                 break  # (None after a lost connection: our own enqueue had gone through)
+            await self._announce()
             info = await self._wait(job_id, done, deadline, timeout_s)
         finally:
             del self._waiters[job_id]
@@ -316,6 +319,15 @@ class Client:
             await self.pool.delete(key)
         except (ResponseError,) + LOST as e:
             log.debug("a result read was not deleted (%s); it expires on its own", type(e).__name__)
+
+    async def _announce(self) -> None:
+        """Tell the workers' routers a job is in the queue (the enqueued channel): they take it now instead of at
+        their next poll. Best effort: a note lost costs that poll's wait, nothing more."""
+        try:
+            async with asyncio.timeout(ANNOUNCE_TIMEOUT_S):
+                await self.pool.publish(enqueued_channel(self.queue_name), "")
+        except Exception:  # noqa: BLE001 - the routers poll the queue anyway
+            pass
 
     async def _listen(self) -> None:
         """Wake the waiter of every job id published on the done channel; reconnect on errors."""

@@ -49,6 +49,8 @@ JOB_PROFILE = "profile"  # torch.profiler over the worker's engine thread for a 
 JOB_UNDECODABLE = "statecache:undecodable"  # what the worker runs in place of a job it could not decode
 HEALTH_KEY_SUFFIX = health_check_key_suffix  # arq's: QUEUE + this lives while a ready worker serves QUEUE
 DONE_CHANNEL_SUFFIX = ":done"  # pub/sub channel QUEUE + this: job ids published once their result is stored
+ENQUEUED_CHANNEL_SUFFIX = ":enqueued"  # pub/sub channel QUEUE + this: producer.Client's note that it enqueued a job
+# (wakes the workers' routers at once; they poll QUEUE besides, for jobs enqueued without a note)
 JOB_KEY_PREFIX = job_key_prefix
 RESULT_KEY_PREFIX = result_key_prefix
 IN_PROGRESS_KEY_PREFIX = in_progress_key_prefix
@@ -292,6 +294,10 @@ def health_key(queue: str) -> str:
 
 def done_channel(queue: str) -> str:
     return queue + DONE_CHANNEL_SUFFIX
+
+
+def enqueued_channel(queue: str) -> str:
+    return queue + ENQUEUED_CHANNEL_SUFFIX
 
 
 def private_queue(queue: str, worker_id: str) -> str:

@@ -90,3 +90,46 @@ def test_jobs_routed_here_start_without_waiting_for_arqs_poll(redis_url):
             await r.aclose()
 
     asyncio.run(main())
+
+
+def test_a_row_sent_through_the_client_wakes_the_router(redis_url):
+    """producer.Client announces each job it enqueues (the enqueued channel); the router's loop, napping between
+    rounds, wakes at once and routes it; here it starts at once too. Polls of an hour (the router's and arq's)
+    leave the announcement as the only way the row could be answered within the test."""
+    from producer.client import Client
+
+    q = f"statecache:wake:{uuid.uuid4().hex[:10]}"
+    settings = Settings(redis_url=redis_url, queue=q, metrics_port=0, route_ttl_s=60, route_grace_s=0,
+                        health_interval_s=1, poll_delay_s=3600)
+    row = {"ids": list(range(10, 90)), "state_len": 70, "slots": [79], "nopts": [3]}
+
+    async def answer(ctx, row):
+        return {"probs": [[1.0, 0.0, 0.0]], "path": "hit", "echo": row["state_len"]}
+
+    async def main():
+        r = redis_async.Redis.from_url(redis_url)
+        arq_worker = Worker(functions=[func(answer, name="answer")], redis_pool=r, queue_name=private_queue(q, "w0"),
+                            max_jobs=4, poll_delay=3600, job_serializer=serialize, job_deserializer=deserialize,
+                            handle_signals=False, keep_result=5)
+        router = Router(r, settings, "w0", IdleGpu(), FingerprintLedger(64))
+        _start_routed_jobs_at_once(arq_worker, router)
+        try:
+            await router.start()  # its first round finds nothing, then it naps (an hour at most)
+            await asyncio.sleep(0.3)
+            async with await Client.connect(redis_url, q, timeout_s=30) as client:
+                results = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    results.append((await asyncio.wait_for(client.answer(row), 20), time.perf_counter() - t0))
+            assert all(res["echo"] == 70 for res, _ in results)
+        finally:
+            await router.close()
+            await asyncio.gather(*arq_worker.tasks.values(), return_exceptions=True)
+            keys = [k async for k in r.scan_iter(match=f"*{q}*")]
+            if keys:
+                await r.delete(*keys)
+            await r.aclose()
+        return results
+
+    results = asyncio.run(main())
+    print("answered in " + ", ".join(f"{s * 1e3:.1f} ms" for _, s in results))

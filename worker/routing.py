@@ -57,8 +57,8 @@ from arq.utils import timestamp_ms
 
 from statecache.cache.routing import choose, home_key, prefix_fingerprints, take_from
 from statecache.protocol import (IN_PROGRESS_KEY_PREFIX, JOB_ANSWER, JOB_KEY_PREFIX, RESULT_KEY_PREFIX, draining_key,
-                                 fingerprints_key, health_key, live_key, private_queue, private_queue_pattern,
-                                 workers_key)
+                                 enqueued_channel, fingerprints_key, health_key, live_key, private_queue,
+                                 private_queue_pattern, workers_key)
 from worker.prepare import RowPrep
 from worker.serial import job_deserializer
 
@@ -195,6 +195,8 @@ class Router:
         self.stopping = False  # told to stop: takes nothing new, beats as draining (stop())
         # called with the ids a dispatch round moved to this worker's own queue (worker.jobs starts them at once)
         self.on_routed_here: Any = None
+        self._announced = asyncio.Event()  # a producer enqueued a job (the enqueued channel): the next round now
+        self._listener: asyncio.Task | None = None
         self._last_beat = 0.0
         self._last_idle = 0.0
         self._beats = 0
@@ -204,6 +206,7 @@ class Router:
     async def start(self) -> None:
         await self.beat()
         self._task = asyncio.create_task(self.run())
+        self._listener = asyncio.create_task(self._listen())
 
     async def run(self) -> None:
         failing = False
@@ -230,7 +233,45 @@ class Router:
                 failing, moved = True, 0
                 await asyncio.sleep(0.5)
             if not moved:
-                await asyncio.sleep(self.beat_s if self.stopping else self.settings.poll_delay_s)
+                await self._nap(self.beat_s if self.stopping else self.settings.poll_delay_s)
+
+    async def _nap(self, seconds: float) -> None:
+        """Sleep `seconds`, or less: until a producer announces a job on QUEUE (not while stopping)."""
+        if self.stopping:
+            await asyncio.sleep(seconds)
+            return
+        try:
+            async with asyncio.timeout(seconds):
+                await self._announced.wait()
+        except TimeoutError:
+            pass
+        self._announced.clear()  # one announced later (during the round) wakes the next nap at once
+
+    async def _listen(self) -> None:
+        """Producers' announcements (the enqueued channel) wake the loop's nap; lost, the loop polls every
+        poll_delay_s as before, and this subscribes again."""
+        lost = False
+        while not self._closing:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(enqueued_channel(self.queue))
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        self._announced.set()
+                    elif message["type"] == "subscribe":
+                        lost = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the poll goes on meanwhile
+                if not lost:
+                    log.info("the enqueued channel is lost (%s); polling %s until it is back", e, self.queue)
+                lost = True
+                await asyncio.sleep(0.5)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:  # noqa: BLE001 - the connection is gone already
+                    pass
 
     def stop_soon(self) -> None:
         """Told to stop (SIGTERM, a stuck engine), called from a signal handler or the loop: stop() starts now."""
@@ -279,6 +320,9 @@ class Router:
         if stop is not None and not stop.done():
             await asyncio.wait({stop}, timeout=CLOSE_TRIES * CLOSE_WAIT_S)
         await self._cancel_task()
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.wait({self._listener}, timeout=CLOSE_WAIT_S)
         try:
             await self.redis.delete(live_key(self.queue, self.id), draining_key(self.queue, self.id))
             n = await self._recover_worker(self.id)
