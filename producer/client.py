@@ -44,7 +44,7 @@ from redis.exceptions import BusyLoadingError, ConnectionError, OutOfMemoryError
 from redis.exceptions import WatchError
 
 from statecache.protocol import JOB_ANSWER, JOB_PROFILE, JOB_STATS, RESULT_KEY_PREFIX, RemoteJobError, deserialize, done_channel
-from statecache.protocol import REFUSED, enqueued_channel, job_lifetime_s, redact, serialize
+from statecache.protocol import REFUSED, enqueued_channel, follow_channel, job_lifetime_s, redact, serialize
 from statecache.redis_url import connection_pool
 from statecache.settings import Settings
 
@@ -331,33 +331,23 @@ class Client:
 
     async def _listen(self) -> None:
         """Wake the waiter of every job id published on the done channel; reconnect on errors."""
-        channel = done_channel(self.queue_name)
         lost = False
-        while True:
-            pubsub = self.pool.pubsub()
-            try:
-                await pubsub.subscribe(channel)
-                async for message in pubsub.listen():
-                    if message["type"] == "subscribe":
-                        self._subscribed.set()
-                        lost = False
-                    elif message["type"] == "message":
-                        data = message["data"]
-                        waiter = self._waiters.get(data.decode() if isinstance(data, bytes) else str(data))
-                        if waiter is not None:
-                            waiter.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                if not lost:
-                    log.warning("done channel lost (%s); polling until it is back", redact(e))
+
+        def on_state(error: Exception | None) -> None:
+            nonlocal lost
+            if error is None:
+                self._subscribed.set()
+                lost = False
+            elif not lost:
+                log.warning("done channel lost (%s); polling until it is back", redact(error))
                 lost = True
-                await asyncio.sleep(0.5)
-            finally:
-                try:
-                    await pubsub.aclose()
-                except Exception:  # noqa: BLE001 - the connection is gone already
-                    pass
+
+        def on_message(data: Any) -> None:
+            waiter = self._waiters.get(data.decode() if isinstance(data, bytes) else str(data))
+            if waiter is not None:
+                waiter.set()
+
+        await follow_channel(self.pool, done_channel(self.queue_name), on_message, on_state)
 
 
 async def _ping(pool: ArqRedis, deadline: float, timeout_s: float, redis_url: str, queue_name: str) -> None:

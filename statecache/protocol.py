@@ -31,9 +31,10 @@ Knows arq's key layout and msgpack; knows nothing of the model, tensors or the w
 
 from __future__ import annotations
 
+import asyncio
 import re
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 from arq.constants import default_queue_name, health_check_key_suffix, in_progress_key_prefix, job_key_prefix
@@ -298,6 +299,31 @@ def done_channel(queue: str) -> str:
 
 def enqueued_channel(queue: str) -> str:
     return queue + ENQUEUED_CHANNEL_SUFFIX
+
+
+async def follow_channel(redis: Any, channel: str, on_message: Callable[[Any], None],
+                         on_state: Callable[[Exception | None], None], retry_s: float = 0.5) -> None:
+    """Follow a pub/sub channel until cancelled: on_message(data) for each message; on_state(None) each time the
+    subscription holds, on_state(error) each time it is lost (then, after retry_s, it subscribes again)."""
+    while True:
+        pubsub = redis.pubsub()
+        try:
+            await pubsub.subscribe(channel)
+            async for message in pubsub.listen():
+                if message["type"] == "subscribe":
+                    on_state(None)
+                elif message["type"] == "message":
+                    on_message(message["data"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a lost connection: subscribe again
+            on_state(e)
+            await asyncio.sleep(retry_s)
+        finally:
+            try:
+                await pubsub.aclose()
+            except Exception:  # noqa: BLE001 - the connection is gone already
+                pass
 
 
 def private_queue(queue: str, worker_id: str) -> str:

@@ -13,6 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
+import msgpack
 import redis as redis_sync
 from arq.worker import create_worker
 
@@ -21,6 +22,26 @@ from statecache.settings import Settings
 from worker.settings import worker_settings
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class IdleGpu:
+    """What a router reads of the GPU thread: nothing running, nothing pending, no engine (rows route by home)."""
+
+    engine = None
+    busy = False
+
+    def pending(self) -> int:
+        return 0
+
+    def making_progress(self, stuck_s: float) -> bool:
+        return True
+
+
+def answer_job(n: int) -> bytes:
+    """arq's stored form (msgpack) of an `answer` job on token row n (rows of different n differ early)."""
+    ids = [10 + (n * 7 + i) % 50 for i in range(80)]
+    row = {"ids": ids, "state_len": 70, "slots": [79], "nopts": [3]}
+    return msgpack.packb({"f": "answer", "a": [row], "k": {}, "t": None, "et": int(time.time() * 1000)})
 
 
 def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.01):

@@ -9,33 +9,15 @@ import asyncio
 import time
 import uuid
 
-import msgpack
 import redis.asyncio as redis_async
 from arq.worker import Worker, func
 
 from statecache.cache.routing import FingerprintLedger
 from statecache.protocol import IN_PROGRESS_KEY_PREFIX, JOB_KEY_PREFIX, deserialize, private_queue, serialize
 from statecache.settings import Settings
+from tests.harness import IdleGpu, answer_job
 from worker.jobs import _start_routed_jobs_at_once
 from worker.routing import Router
-
-
-class IdleGpu:
-    """What the router reads of the GPU thread: nothing running, nothing pending, no engine (rows route by home)."""
-
-    engine = None
-    busy = False
-
-    def pending(self) -> int:
-        return 0
-
-    def making_progress(self, stuck_s: float) -> bool:
-        return True
-
-
-def job(n: int) -> bytes:
-    row = {"ids": [10 + (n * 7 + i) % 50 for i in range(80)], "state_len": 70, "slots": [79], "nopts": [3]}
-    return msgpack.packb({"f": "answer", "a": [row], "k": {}, "t": None, "et": int(time.time() * 1000)})
 
 
 def test_jobs_routed_here_start_without_waiting_for_arqs_poll(redis_url):
@@ -61,7 +43,7 @@ def test_jobs_routed_here_start_without_waiting_for_arqs_poll(redis_url):
             _start_routed_jobs_at_once(arq_worker, router)
             await router.beat()
             for n, j in enumerate(ids[:3]):
-                await r.set(JOB_KEY_PREFIX + j, job(n))
+                await r.set(JOB_KEY_PREFIX + j, answer_job(n))
                 await r.zadd(q, {j: int(time.time() * 1000) - 1000})
             assert await router.dispatch() == 3  # all three to w0, the one live worker
             for _ in range(1000):  # up to 10 s
@@ -78,7 +60,7 @@ def test_jobs_routed_here_start_without_waiting_for_arqs_poll(redis_url):
             release.set()
             await asyncio.gather(*arq_worker.tasks.values())
             for n, j in enumerate(ids[3:], 3):
-                await r.set(JOB_KEY_PREFIX + j, job(n))
+                await r.set(JOB_KEY_PREFIX + j, answer_job(n))
                 await r.zadd(q, {j: int(time.time() * 1000) - 1000})
             assert await router.dispatch() == 2
             await asyncio.sleep(0.2)

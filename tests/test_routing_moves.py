@@ -17,7 +17,6 @@ import asyncio
 import time
 import uuid
 
-import msgpack
 import pytest
 import redis as redis_sync
 import redis.asyncio as redis_async
@@ -29,26 +28,8 @@ from statecache.cache.routing import FingerprintLedger
 from statecache.protocol import (IN_PROGRESS_KEY_PREFIX, JOB_KEY_PREFIX, RESULT_KEY_PREFIX, draining_key, live_key,
                                  private_queue, workers_key)
 from statecache.settings import Settings
+from tests.harness import IdleGpu, answer_job
 from worker.routing import PARKED_MS, Router
-
-
-class IdleGpu:
-    """What the router reads of the GPU thread: nothing running, nothing pending, no engine (rows route by home)."""
-
-    engine = None
-    busy = False
-
-    def pending(self) -> int:
-        return 0
-
-    def making_progress(self, stuck_s: float) -> bool:
-        return True
-
-
-def payload(n: int) -> bytes:
-    ids = [10 + (n * 7 + i) % 50 for i in range(80)]
-    row = {"ids": ids, "state_len": 70, "slots": [79], "nopts": [3]}
-    return msgpack.packb({"f": "answer", "a": [row], "k": {}, "t": None, "et": int(time.time() * 1000)})
 
 
 def make_machine(url: str):
@@ -98,7 +79,7 @@ def make_machine(url: str):
         @rule()
         def enqueue(self):
             j = uuid.uuid4().hex[:12]
-            self.r.set(JOB_KEY_PREFIX + j, payload(len(self.ids)))
+            self.r.set(JOB_KEY_PREFIX + j, answer_job(len(self.ids)))
             self.r.zadd(self.q, {j: int(time.time() * 1000) - 1000})
             self.ids.append(j)
 

@@ -57,8 +57,8 @@ from arq.utils import timestamp_ms
 
 from statecache.cache.routing import choose, home_key, prefix_fingerprints, take_from
 from statecache.protocol import (IN_PROGRESS_KEY_PREFIX, JOB_ANSWER, JOB_KEY_PREFIX, RESULT_KEY_PREFIX, draining_key,
-                                 enqueued_channel, fingerprints_key, health_key, live_key, private_queue,
-                                 private_queue_pattern, workers_key)
+                                 enqueued_channel, fingerprints_key, follow_channel, health_key, live_key,
+                                 private_queue, private_queue_pattern, workers_key)
 from worker.prepare import RowPrep
 from worker.serial import job_deserializer
 
@@ -251,27 +251,16 @@ class Router:
         """Producers' announcements (the enqueued channel) wake the loop's nap; lost, the loop polls every
         poll_delay_s as before, and this subscribes again."""
         lost = False
-        while not self._closing:
-            pubsub = self.redis.pubsub()
-            try:
-                await pubsub.subscribe(enqueued_channel(self.queue))
-                async for message in pubsub.listen():
-                    if message["type"] == "message":
-                        self._announced.set()
-                    elif message["type"] == "subscribe":
-                        lost = False
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the poll goes on meanwhile
-                if not lost:
-                    log.info("the enqueued channel is lost (%s); polling %s until it is back", e, self.queue)
+
+        def on_state(error: Exception | None) -> None:
+            nonlocal lost
+            if error is None:
+                lost = False
+            elif not lost:
+                log.info("the enqueued channel is lost (%s); polling %s until it is back", error, self.queue)
                 lost = True
-                await asyncio.sleep(0.5)
-            finally:
-                try:
-                    await pubsub.aclose()
-                except Exception:  # noqa: BLE001 - the connection is gone already
-                    pass
+
+        await follow_channel(self.redis, enqueued_channel(self.queue), lambda _: self._announced.set(), on_state)
 
     def stop_soon(self) -> None:
         """Told to stop (SIGTERM, a stuck engine), called from a signal handler or the loop: stop() starts now."""
