@@ -58,7 +58,7 @@ class Settings:
     # 16: a worker holding more rows than a step serves answers its hits first and starves new pages (64 agents on
     # an H100: p99 1.8 s at 16, 3.3 s at 32, the same rows/s; bench/README.md "The worker's intake")
     max_jobs: int = _f(16, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
-    poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "arq polls the queue this often")
+    poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "the routers poll the agents' queue, and arq each worker's own queue, this often (a job producer.Client enqueues wakes the routers at once)")
     job_timeout_s: float = _f(JOB_TIMEOUT_S, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")
     drain_s: float = _f(30.0, "STATECACHE_DRAIN_S", "on SIGTERM: finish rows in flight for up to this long, then exit")
     health_interval_s: float = _f(5.0, "STATECACHE_HEALTH_INTERVAL_S", "the health key is refreshed this often")
