@@ -44,10 +44,10 @@ for p in (ROOT, ROOT / "bench"):
 from load_bench import AgentTrace  # noqa: E402
 
 from statecache.cache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
-from statecache.settings import Settings  # noqa: E402
 from statecache.dev.checkpoints import real_shape  # noqa: E402
 from statecache.model.config import parse_config  # noqa: E402
 from statecache.sched import IndexView, Layout, Row, Scheduler  # noqa: E402
+from statecache.settings import Settings  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 LAYERS, BETWEEN_LAYERS = 32, 4  # the 9B shape's layers; today's planting graph stops every 4 (Settings.between_layers)

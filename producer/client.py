@@ -21,8 +21,8 @@ Through a Redis outage (a restart, a failover) the client keeps trying with back
 enqueued before the outage is still answered once Redis is back (with append-only persistence). A result
 arrives as soon as the worker publishes the job id on the queue's done channel; a missed message costs at most
 one `RESULT_POLL_S` poll. Each job enqueued is announced on the queue's enqueued channel, which wakes the workers'
-routers at once (a bare `enqueue_job` waits for their next poll, `STATECACHE_POLL_DELAY_S`). Each result is read once (a plain GET, which a Redis at its maxmemory still answers),
-then deleted.
+routers at once (a bare `enqueue_job` waits for their next poll, `STATECACHE_POLL_DELAY_S`). Each result is read
+once (a plain GET, which a Redis at its maxmemory still answers), then deleted.
 
 The URL is read as the worker reads REDIS_URL (statecache.redis_url: every form redis-py accepts, `?password=`,
 rediss://, unix://); one redis-py does not accept raises statecache.redis_url.BadRedisURL (a ValueError).
@@ -331,16 +331,12 @@ class Client:
 
     async def _listen(self) -> None:
         """Wake the waiter of every job id published on the done channel; reconnect on errors."""
-        lost = False
 
         def on_state(error: Exception | None) -> None:
-            nonlocal lost
             if error is None:
                 self._subscribed.set()
-                lost = False
-            elif not lost:
+            else:
                 log.warning("done channel lost (%s); polling until it is back", redact(error))
-                lost = True
 
         def on_message(data: Any) -> None:
             waiter = self._waiters.get(data.decode() if isinstance(data, bytes) else str(data))

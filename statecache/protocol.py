@@ -304,20 +304,25 @@ def enqueued_channel(queue: str) -> str:
 async def follow_channel(redis: Any, channel: str, on_message: Callable[[Any], None],
                          on_state: Callable[[Exception | None], None], retry_s: float = 0.5) -> None:
     """Follow a pub/sub channel until cancelled: on_message(data) for each message; on_state(None) each time the
-    subscription holds, on_state(error) each time it is lost (then, after retry_s, it subscribes again)."""
+    subscription holds, on_state(error) when it is lost (once until it holds again; it subscribes again every
+    retry_s meanwhile)."""
+    lost = False
     while True:
         pubsub = redis.pubsub()
         try:
             await pubsub.subscribe(channel)
             async for message in pubsub.listen():
                 if message["type"] == "subscribe":
+                    lost = False
                     on_state(None)
                 elif message["type"] == "message":
                     on_message(message["data"])
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a lost connection: subscribe again
-            on_state(e)
+            if not lost:
+                lost = True
+                on_state(e)
             await asyncio.sleep(retry_s)
         finally:
             try:

@@ -233,13 +233,13 @@ class Router:
                 failing, moved = True, 0
                 await asyncio.sleep(0.5)
             if not moved:
-                await self._nap(self.beat_s if self.stopping else self.settings.poll_delay_s)
+                if self.stopping:
+                    await asyncio.sleep(self.beat_s)
+                else:
+                    await self._nap(self.settings.poll_delay_s)
 
     async def _nap(self, seconds: float) -> None:
-        """Sleep `seconds`, or less: until a producer announces a job on QUEUE (not while stopping)."""
-        if self.stopping:
-            await asyncio.sleep(seconds)
-            return
+        """Sleep `seconds`, or less: until a producer announces a job on QUEUE."""
         try:
             async with asyncio.timeout(seconds):
                 await self._announced.wait()
@@ -250,15 +250,10 @@ class Router:
     async def _listen(self) -> None:
         """Producers' announcements (the enqueued channel) wake the loop's nap; lost, the loop polls every
         poll_delay_s as before, and this subscribes again."""
-        lost = False
 
         def on_state(error: Exception | None) -> None:
-            nonlocal lost
-            if error is None:
-                lost = False
-            elif not lost:
+            if error is not None:
                 log.info("the enqueued channel is lost (%s); polling %s until it is back", error, self.queue)
-                lost = True
 
         await follow_channel(self.redis, enqueued_channel(self.queue), lambda _: self._announced.set(), on_state)
 
