@@ -286,7 +286,6 @@ def interp_graphs(monkeypatch):
 def graph_runner(max_batch, tokens) -> BatchRunner:
     runner = BatchRunner(small_model(), TorchKernels(), max_batch=max_batch, graphs=True, triton=True,
                          max_pos=MAX_POS, tokens=tokens)
-    runner.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid (tested on its own)
     return runner
 
 

@@ -399,7 +399,6 @@ def graph_steps(eng: Engine, specialists=None):
 
     runner = BatchRunner(eng.model, TorchKernels(), max_batch=4, graphs=True, triton=True, max_pos=1024,
                          tokens=(64, 128, 256), specialists=specialists)
-    runner.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid (tested on its own)
     assert runner.use_graphs and runner.pad
     return make_steps(runner=runner, budget_tokens=256, mb=1024)
 

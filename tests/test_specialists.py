@@ -491,7 +491,6 @@ def test_one_batch_graph_serves_any_mix_of_routes(monkeypatch):
     _, _, model, spec = world()
     r = BatchRunner(model, TorchKernels(), max_slots=4, max_batch=4, graphs=True, triton=True, max_pos=MAX_POS,
                     tokens=(64, 128), max_piece=128, specialists=spec)
-    r.bk.span_kw = dict(n_splits=1)  # one split: the interpreter runs no combine grid
     steps = steps_over(r)
     states = [toks(270 + 10 * k, 160 + k) for k in range(3)]
     rows = [(S + toks(6 + 3 * k, 180 + k), len(S), [len(S) + 5 + 3 * k], [3 + k]) for k, S in enumerate(states)]

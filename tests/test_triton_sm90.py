@@ -1,9 +1,9 @@
 """The batched Triton kernels (and the one-chunk kernels they extend) compile for an H200 (sm_90) without a GPU:
 Triton's own compiler and ptxas, ahead of time, at the 9B model's shapes and bf16. Catches what the interpreter
-cannot (types, layouts, the compiler's view of the VARLEN branches). The compiles run in a subprocess without
-TRITON_INTERPRET (which tests/conftest.py sets for this process). Skipped where this Triton cannot compile ahead of
-time for CUDA (its API, or no CUDA backend). Another Triton (the GPU machine's 3.6) can be checked by running this
-file with it first on the path: `PYTHONPATH=/path/to/triton-3.6:. python tests/test_triton_sm90.py`."""
+cannot (types, layouts, the compiler's view of the VARLEN branches). The compiles run two at a time in a subprocess
+without TRITON_INTERPRET (which tests/conftest.py sets for this process). Skipped where this Triton cannot compile
+ahead of time for CUDA (its API, or no CUDA backend). Another Triton (the GPU machine's 3.6) can be checked by
+running this file with it first on the path: `PYTHONPATH=/path/to/triton-3.6:. python tests/test_triton_sm90.py`."""
 
 from __future__ import annotations
 
@@ -75,23 +75,32 @@ def test_kernels_compile_for_sm90():
     assert r.stdout.count("compiled") == 11, r.stdout
 
 
+# (what it prints, kernel, its arguments): the launches the engine makes on a GPU
+JOBS = [("delta", delta_kernel, dict(varlen=True)), ("delta", delta_kernel, dict(varlen=False)),
+        ("delta snapshots", delta_kernel, dict(varlen=True, nsnap=3)),
+        ("delta from sources", delta_kernel, dict(varlen=True, src=True)),
+        ("delta from sources, snapshots", delta_kernel, dict(varlen=True, nsnap=3, src=True)),
+        ("delta from sources, 64-wide values", delta_kernel, dict(varlen=True, src=True, bv=64)),
+        ("delta from sources, 128-wide values", delta_kernel, dict(varlen=True, src=True, bv=128, num_warps=8)),
+        ("conv", conv_kernel, dict(varlen=True)), ("conv", conv_kernel, dict(varlen=False)),
+        ("span", span_batch_kernel, dict(direct=True)), ("span", span_batch_kernel, dict(direct=False))]
+
+
+def _compile_one(i: int) -> str:
+    name, fn, kw = JOBS[i]
+    fn(**kw)
+    return f"compiled {name} {kw}"
+
+
 if __name__ == "__main__":
     import inspect
+    from concurrent.futures import ProcessPoolExecutor
 
     from triton.compiler import ASTSource
 
     if "constexprs" not in inspect.signature(ASTSource).parameters:
         print("AOT-API")
         raise SystemExit(0)
-    for name, fn, flag in (("delta", delta_kernel, True), ("delta", delta_kernel, False),
-                           ("delta snapshots", lambda v: delta_kernel(v, nsnap=3), True),
-                           ("delta from sources", lambda v: delta_kernel(v, src=True), True),
-                           ("delta from sources, snapshots", lambda v: delta_kernel(v, nsnap=3, src=True), True),
-                           ("delta from sources, 64-wide values", lambda v: delta_kernel(v, src=True, bv=64), True),
-                           ("delta from sources, 128-wide values", lambda v: delta_kernel(v, src=True, bv=128,
-                                                                                          num_warps=8), True),
-                           ("conv", conv_kernel, True),
-                           ("conv", conv_kernel, False), ("span", span_batch_kernel, True),
-                           ("span", span_batch_kernel, False)):
-        fn(flag)
-        print("compiled", name, flag, flush=True)
+    with ProcessPoolExecutor(2) as pool:  # ptxas is most of the time: two at once (CI has two cores)
+        for line in pool.map(_compile_one, range(len(JOBS))):
+            print(line, flush=True)

@@ -46,6 +46,31 @@ def load(name: str, kernel: str):
     return mod
 
 
+def interpreter_launch_sizes(monkeypatch, conv_mod, gdn_mod, span_mod) -> None:
+    """The batch kernels' launches as the interpreter runs them soonest. It runs the programs of a grid one after
+    another in Python, each op on whole blocks with numpy, so fewer, larger programs finish sooner: one channel block
+    for the conv, one value block and one key slice for the delta rule, key tiles of 128 and one split (no combine
+    grid) for span attention (the replayed-graph tests of images and specialists took 93 s against 126 on a 2-core
+    machine like CI's). What each kernel computes does not depend on them; their GPU launch sizes are tested in
+    tests/test_*_triton.py (here in the interpreter, whole in the GPU suite)."""
+    import triton
+
+    conv, delta, span = conv_mod.conv_batch, gdn_mod.delta_batch, span_mod.attend_batch
+
+    def conv_batch(x, *a, **kw):
+        return conv(x, *a, **{"block_c": triton.next_power_of_2(x.shape[1]), **kw})
+
+    def delta_batch(q, k, v, *a, **kw):
+        return delta(q, k, v, *a, **{"block_v": v.shape[2], "block_k": k.shape[2], **kw})
+
+    def attend_batch(*a, **kw):
+        return span(*a, **{"block_n": 128, **kw, "n_splits": 1})
+
+    monkeypatch.setattr(conv_mod, "conv_batch", conv_batch)
+    monkeypatch.setattr(gdn_mod, "delta_batch", delta_batch)
+    monkeypatch.setattr(span_mod, "attend_batch", attend_batch)
+
+
 def batch_graphs_in_interpreter(monkeypatch, refuse=frozenset()) -> None:
     """statecache.run.batch's CUDA graphs on this machine: the batch kernels loaded (interpreted without CUDA) and
     graph capture replaced by a stand-in graph (tests.test_graph_modes.ReplayGraph) that replays the forward; the
@@ -54,9 +79,11 @@ def batch_graphs_in_interpreter(monkeypatch, refuse=frozenset()) -> None:
     import statecache.run.graphs as graphs_mod
     from tests.test_graph_modes import ReplayGraph
 
-    for mod, kernel in (("statecache.kernels.conv", "_conv_chunk_kernel"), ("statecache.kernels.gdn", "_delta_chunk_kernel"),
-                        ("statecache.kernels.span", "_span_batch_kernel")):
-        load(mod, kernel)
+    mods = [load(mod, kernel) for mod, kernel in (("statecache.kernels.conv", "_conv_chunk_kernel"),
+                                                  ("statecache.kernels.gdn", "_delta_chunk_kernel"),
+                                                  ("statecache.kernels.span", "_span_batch_kernel"))]
+    if not CUDA:
+        interpreter_launch_sizes(monkeypatch, *mods)
 
     def capture(fn, pool, warmup=2):
         out = fn()
