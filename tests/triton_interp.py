@@ -72,8 +72,8 @@ def interpreter_launch_sizes(monkeypatch, conv_mod, gdn_mod, span_mod) -> None:
 
 
 def batch_graphs_in_interpreter(monkeypatch, refuse=frozenset()) -> None:
-    """statecache.run.batch's CUDA graphs on this machine: the batch kernels loaded (interpreted without CUDA) and
-    graph capture replaced by a stand-in graph (tests.test_graph_modes.ReplayGraph) that replays the forward; the
+    """statecache.run.batch's CUDA graphs on this machine: the batch kernels loaded (interpreted without CUDA, at
+    `interpreter_launch_sizes`) and graph capture replaced by a stand-in graph (tests.test_graph_modes.ReplayGraph) that replays the forward; the
     warm-up runs once (the interpreter is slow). A capture whose output has a first dimension in `refuse` (a set the
     test may fill later) fails, as a refused capture would."""
     import statecache.run.graphs as graphs_mod
