@@ -2,7 +2,7 @@
 a model of today's engine, with GPU time from a cost model fitted to H200 measurements in bench/results/.
 
     python bench/step_sim.py [--agents 16,64] [--seconds 60] [--warmup-s 10] [--budgets 1024,2048,4096]
-                             [--chunks 512,1024,2048] [--seed 0] [--out FILE.json]
+                             [--chunks 512,1024,2048] [--padded] [--seed 0] [--out FILE.json]
 
 The trace is load_bench's own (`AgentTrace`: states of 2-6k tokens; a visit asks 1-3 questions; then the page grows
 by an action, 75%, or a new page replaces it; each agent sends its next row when its last answer arrives), token-exact
@@ -83,11 +83,14 @@ class CostModel:
     def __init__(self, coef, hcoef, floor: int = 0, turn_ms: float = 0.0):
         self.coef, self.hcoef, self.floor = coef, hcoef, floor
         self.turn_ms = turn_ms  # the GPU thread's host time per turn (a batch, a stop that runs rows, a step)
+        self.padded = False  # True: a forward's tokens cost as its token bucket's (the batched runner's padding)
 
     def graph_ms(self, pieces) -> float:
         """pieces: (start, length) per sequence."""
         a, b, c, d = self.coef
         toks = sum(L for _, L in pieces)
+        if self.padded:
+            toks = padded_tokens(toks)
         pairs = sum(attn_pairs(s, L) for s, L in pieces)
         return a + b * max(toks, self.floor) + c * len(pieces) + d * pairs / 1e6
 
@@ -96,6 +99,14 @@ class CostModel:
 
     def step_ms(self, pieces) -> float:
         return self.graph_ms(pieces) + self.host_ms(len(pieces))
+
+
+def padded_tokens(tokens: int) -> int:
+    """The tokens a forward of `tokens` runs on the GPU: its token bucket (statecache.run.batch.TOKENS; that module
+    imports torch, which the simulator needs for --padded alone)."""
+    from statecache.run.batch import TOKENS, bucket
+
+    return bucket(tokens, TOKENS) or tokens
 
 
 def _lstsq(graph, floor: int):
@@ -179,7 +190,7 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
     layout = Layout.from_settings()
     sched = Scheduler(make_view(layout), layout, budget_tokens=budget, chunk_tokens=chunk, max_piece=max_piece)
     rows: dict = {}
-    t, busy, steps = 0.0, 0.0, 0
+    t, busy, steps, padded = 0.0, 0.0, 0, 0
 
     def take_and_plan(now: float):
         for r in agents.due(now):
@@ -199,10 +210,12 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
         t += ms / 1e3
         busy += ms / 1e3
         steps += 1
+        padded += padded_tokens(cur.tokens) if model.padded else cur.tokens
         for f in sched.done(cur):
             agents.answer(rows.pop(f.row.rid), t, f.path, f.reused)
         cur = nxt if pipelined else take_and_plan(t)
-    return {"steps": steps, "busy_s": busy, "end_s": t, "tokens_per_step": sched.stats["tokens"] / max(1, steps)}
+    return {"steps": steps, "busy_s": busy, "end_s": t, "tokens_per_step": sched.stats["tokens"] / max(1, steps),
+            "padding": 1 - sched.stats["tokens"] / max(1, padded) if model.padded else None}
 
 
 def run_today(agents: Agents, model: CostModel, seconds: float) -> dict:
@@ -334,12 +347,17 @@ def main(argv=None) -> int:
                     help="rows the worker takes from Redis at once, the rest waiting there in order (the worker's "
                          f"STATECACHE_MAX_JOBS, {Settings.from_env({}).max_jobs}; default 0: every row goes straight "
                          "to the scheduler)")
+    ap.add_argument("--padded", action="store_true",
+                    help="a step's tokens cost as its token bucket's, as the batched runner pads its forwards, and the "
+                         "table gives the share of padding (the fit's points are whole buckets but for the one-row "
+                         "graphs of 2496 and 4160 tokens; needs torch, for the buckets)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     model, errors = fit()
     a, b, c, d = model.coef
     model.turn_ms = args.turn_ms
+    model.padded = args.padded
     if args.step_turn_ms is None:
         args.step_turn_ms = args.turn_ms
     print(f"[fit] graph ms = {a:.3f} + {b * 1e3:.4f} us/token * max(tokens, {model.floor}) + {c:.4f} * seqs + "
@@ -354,8 +372,8 @@ def main(argv=None) -> int:
         ("steps", B, C) for B in map(int, args.budgets.split(",")) for C in map(int, args.chunks.split(","))
         if C <= B and "steps" in policies]
     print("\n| agents | policy | budget | chunk | rows/s | p50 ms | p99 ms | hit p50 / p99 | partial p50 / p99 | "
-          "cold p50 / p99 | reused | GPU busy |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-          "| ---: | ---: |")
+          "cold p50 / p99 | reused | GPU busy | tokens a step | padding |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: "
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in map(int, args.agents.split(",")):
         for policy, B, C in configs:
             t0 = time.perf_counter()
@@ -365,12 +383,15 @@ def main(argv=None) -> int:
                 run_steps(agents, model, args.seconds, B, C, args.max_piece, args.pipelined)
             s = summary(agents, args.warmup_s, args.seconds, info["busy_s"], info["end_s"])
             s.update(agents=n, policy=policy, budget=B, chunk=C, sim_s=round(time.perf_counter() - t0, 1),
-                     turn_ms=model.turn_ms)
+                     turn_ms=model.turn_ms, tokens_per_step=round(info.get("tokens_per_step", 0)),
+                     padding=None if info.get("padding") is None else round(info["padding"], 4))
             out["runs"].append(s)
             pp = lambda k: f"{s[k].get('p50', '-')} / {s[k].get('p99', '-')}"  # noqa: E731
+            fill = (f"{s['tokens_per_step']:,} | " + ("-" if s["padding"] is None else f"{s['padding']:.1%}")
+                    if policy == "steps" else "- | -")
             print(f"| {n} | {policy} | {B or '-'} | {C or '-'} | {s['rows_per_s']} | {s['all']['p50']} | "
                   f"{s['all']['p99']} | {pp('hit')} | {pp('partial')} | {pp('cold')} | {s['reused']:.0%} | "
-                  f"{s['gpu_busy']:.0%} |", flush=True)
+                  f"{s['gpu_busy']:.0%} | {fill} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
