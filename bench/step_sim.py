@@ -210,7 +210,8 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
         t += ms / 1e3
         busy += ms / 1e3
         steps += 1
-        padded += padded_tokens(cur.tokens) if model.padded else cur.tokens
+        if model.padded:
+            padded += padded_tokens(cur.tokens)
         for f in sched.done(cur):
             agents.answer(rows.pop(f.row.rid), t, f.path, f.reused)
         cur = nxt if pipelined else take_and_plan(t)

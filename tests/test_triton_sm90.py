@@ -72,7 +72,7 @@ def test_kernels_compile_for_sm90():
     if "AOT-API" in r.stdout:
         pytest.skip("this Triton's ahead-of-time compile API differs")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 11, r.stdout
+    assert r.stdout.count("compiled") == len(JOBS), r.stdout
 
 
 # (what it prints, kernel, its arguments): the launches the engine makes on a GPU
