@@ -422,11 +422,16 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
 
 def padding(s: dict) -> str | None:
     """'tokens / padded (share padding)' of the worker's batched forwards since its start-up (the runner's token
-    buckets: a forward's matmuls run on its bucket), from a config's worker_stats; None where it reports none."""
+    buckets: a forward's matmuls run on its bucket), then the four buckets that ran the most (forwards, share of
+    padding), from a config's worker_stats; None where it reports none."""
     b = s.get("worker_stats", {}).get("engine", {}).get("batch", {})
     if not b.get("padded_tokens"):
         return None
-    return f"{b['tokens']} / {b['padded_tokens']} ({100 * (1 - b['tokens'] / b['padded_tokens']):.1f}% padding)"
+    out = f"{b['tokens']} / {b['padded_tokens']} ({100 * (1 - b['tokens'] / b['padded_tokens']):.1f}% padding)"
+    by = sorted(((int(k), f, t) for k, (f, t) in b.get("buckets", {}).items()), key=lambda x: -x[0] * x[1])[:4]
+    if by:  # the buckets that ran the most tokens: forwards, their share of padding
+        out += "; by bucket " + ", ".join(f"{k}: {f} forwards {100 * (1 - t / (k * f)):.1f}%" for k, f, t in by)
+    return out
 
 
 # ---- statecache score, one row at a time --------------------------------------------------------------------------

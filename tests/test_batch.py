@@ -77,6 +77,7 @@ def test_hits_and_grown_states_in_one_batch(pad):
             row(states[0], 80, 5)]  # 124 tokens from p: over one 64-token delta chunk
     made, forwards = cache.stats["ckpts_made"], runner.stats["forwards"]
     tokens, padded = runner.stats["tokens"], runner.stats["padded_tokens"]
+    by_bucket = {k: list(v) for k, v in runner.stats["buckets"].items()}
     ans = run_rows(steps, rows)
     check(cache, rows, ans)
     assert [(a.path, a.reused) for a in ans] == [("hit", 300), ("hit", 314), ("partial", 307), ("hit", 321),
@@ -87,6 +88,8 @@ def test_hits_and_grown_states_in_one_batch(pad):
     assert sum(a.computed for a in ans) == ran
     assert runner.stats["tokens"] - tokens == ran
     assert runner.stats["padded_tokens"] - padded == (bucket(ran, runner.tokens) if pad else ran)
+    Tb = str(bucket(ran, runner.tokens) if pad else ran)  # the forward counted under its bucket, with its own tokens
+    assert runner.stats["buckets"][Tb] == [a + b for a, b in zip(by_bucket.get(Tb, [0, 0]), [1, ran])]
     # the grown state's checkpoint is there: its next question is a hit on 337
     again = run_rows(steps, [row(grown, 5, 6)])
     assert again[0].path == "hit" and again[0].reused == 337

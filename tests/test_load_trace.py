@@ -94,3 +94,5 @@ def test_padding_reads_the_runner_counts():
     s = {"worker_stats": {"engine": {"batch": {"tokens": 1500, "padded_tokens": 2048}}}}
     assert L.padding(s) == "1500 / 2048 (26.8% padding)"
     assert L.padding({"worker_stats": {"engine": {}}}) is None
+    s["worker_stats"]["engine"]["batch"]["buckets"] = {"1536": [1, 1100], "512": [1, 400]}
+    assert L.padding(s) == "1500 / 2048 (26.8% padding); by bucket 1536: 1 forwards 28.4%, 512: 1 forwards 21.9%"

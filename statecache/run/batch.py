@@ -329,8 +329,9 @@ class BatchRunner:
         self.graphs: dict[tuple[int, int, bool], _Graph | None] = {}
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.stats = new_stats()
-        # tokens: the pieces' own; padded_tokens: what the forwards ran (their token buckets: the matmuls' work)
-        self.stats.update(forwards=0, sequences=0, tokens=0, padded_tokens=0)
+        # tokens: the pieces' own; padded_tokens: what the forwards ran (their token buckets: the matmuls' work);
+        # buckets: token bucket -> [forwards, their own tokens] (where the padding is)
+        self.stats.update(forwards=0, sequences=0, tokens=0, padded_tokens=0, buckets={})
         self.failures: list[str] = []
         self._out_host: torch.Tensor | None = None
 
@@ -601,6 +602,9 @@ class BatchRunner:
         self.stats["sequences"] += B
         self.stats["tokens"] += T
         self.stats["padded_tokens"] += Tb
+        got = self.stats["buckets"].setdefault(str(Tb), [0, 0])  # str: the stats travel as JSON
+        got[0] += 1
+        got[1] += T
 
     @staticmethod
     def _send(g: _Graph, fill) -> None:
