@@ -234,6 +234,7 @@ def summarise(records: list[Record], elapsed_s: float, answered: int | None = No
         "tokens": tokens, "tokens_reused": reused, "tokens_reused_unbounded": ideal,
         "reused_vs_unbounded": round(reused / ideal, 4) if ideal else None,
         "reused_of_all_tokens": round(reused / tokens, 4) if tokens else None,
+        "tokens_computed_per_row": round((tokens - reused) / len(ok)) if ok else None,
         "errors": Counter(r.error for r in records if r.error).most_common(5),
     }
 
@@ -384,6 +385,7 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
                                                     args.job_timeout_s)
             s = steady_summary(records, elapsed, args.warmup_s)
             s["gpu_busy_pct"] = busy.mean  # nvidia-smi's utilization.gpu over the run, warm-up too (None: no GPU)
+            s["device_us_per_computed_token"] = device_us_per_token(s)
             if args.profile_s > 0:  # after the timed stretch, the agents going on (untimed): the profiler slows it
                 prof = asyncio.ensure_future(client.profile(args.profile_s, rows=40))
                 await run_agents(client, trace, args.profile_s + 1.0, 0, args.job_timeout_s)
@@ -413,11 +415,21 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
                   f"new page p50 {s['latency_new_page']['p50_ms']} ms (n {s['latency_new_page']['n']}), "
                   + (f"from the start {f['rows_per_s']} rows/s p99 {f['latency']['p99_ms']} ms, " if f else "") +
                   f"reused {s['tokens_reused']} of unbounded {s['tokens_reused_unbounded']}, failed {s['failed']}, "
-                  f"GPU busy {s['gpu_busy_pct']}%, "
+                  f"GPU busy {s['gpu_busy_pct']}%, tokens computed a row {s['tokens_computed_per_row']}, "
+                  f"device us a computed token {s['device_us_per_computed_token']}, "
                   f"worker timing {s['worker_stats'].get('worker', {}).get('timing')}, "
                   f"engine phases {s['worker_stats'].get('engine', {}).get('phases')}, "
                   f"forwards' tokens / padded since start-up {padding(s)}", file=sys.stderr, flush=True)
     return out
+
+
+def device_us_per_token(s: dict) -> float | None:
+    """The device's time a computed token over a config's timed rows: GPU busy / (rows/s x tokens computed a row),
+    in us (what a kernel change moves, whatever the trace's mix of new pages and hits); None without a GPU."""
+    busy, rate, per_row = s.get("gpu_busy_pct"), s.get("rows_per_s"), s.get("tokens_computed_per_row")
+    if busy is None or not rate or not per_row:
+        return None
+    return round(busy / 100 * 1e6 / (rate * per_row), 1)
 
 
 def padding(s: dict) -> str | None:

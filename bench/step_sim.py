@@ -319,8 +319,10 @@ def summary(agents: Agents, warmup_s: float, seconds: float, busy_s: float, end_
         return {"n": len(xs), "p50": round(q(0.5), 1), "p99": round(q(0.99), 1), "mean": round(statistics.mean(xs), 1)}
 
     reused = sum(r[3] for r in recs) / max(1, sum(r[4] for r in recs))
+    computed = sum(r[4] - r[3] for r in recs) / max(1, len(recs))  # tokens computed a row (load_bench's "tokens a row")
     return {"rows_per_s": round(len(recs) / span, 1), "all": lat(), "hit": lat("hit"), "partial": lat("partial"),
-            "cold": lat("cold"), "reused": round(reused, 3), "gpu_busy": round(busy_s / end_s, 3)}
+            "cold": lat("cold"), "reused": round(reused, 3), "tokens_per_row": round(computed),
+            "gpu_busy": round(busy_s / end_s, 3)}
 
 
 def main(argv=None) -> int:
@@ -373,8 +375,8 @@ def main(argv=None) -> int:
         ("steps", B, C) for B in map(int, args.budgets.split(",")) for C in map(int, args.chunks.split(","))
         if C <= B and "steps" in policies]
     print("\n| agents | policy | budget | chunk | rows/s | p50 ms | p99 ms | hit p50 / p99 | partial p50 / p99 | "
-          "cold p50 / p99 | reused | GPU busy | tokens a step | padding |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: "
-          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "cold p50 / p99 | reused | tokens a row | GPU busy | tokens a step | padding |\n| ---: | --- | ---: | ---: | ---: "
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in map(int, args.agents.split(",")):
         for policy, B, C in configs:
             t0 = time.perf_counter()
@@ -392,7 +394,7 @@ def main(argv=None) -> int:
                     if policy == "steps" else "- | -")
             print(f"| {n} | {policy} | {B or '-'} | {C or '-'} | {s['rows_per_s']} | {s['all']['p50']} | "
                   f"{s['all']['p99']} | {pp('hit')} | {pp('partial')} | {pp('cold')} | {s['reused']:.0%} | "
-                  f"{s['gpu_busy']:.0%} | {fill} |", flush=True)
+                  f"{s['tokens_per_row']} | {s['gpu_busy']:.0%} | {fill} |", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0

@@ -89,6 +89,25 @@ def test_new_page_rows_are_each_new_pages_first_question():
     assert s["latency_new_page"]["n"] == sum(r.new_page for r in rows) and s["latency_new_page"]["p50_ms"] == 1000.0
 
 
+def test_tokens_computed_a_row_and_device_time_a_token():
+    """tokens_computed_per_row: the answered rows' tokens less those reused, a row; device_us_per_computed_token: GPU
+    busy over rows/s times that (None without a GPU or rows)."""
+    L = _bench()
+    recs = []
+    for n, reused in ((1000, 900), (500, 0), (2000, 1900)):
+        r = L.Record(0, n - 10, n, 50.0, "hit")
+        r.ideal, r.reused = reused, reused
+        recs.append(r)
+    failed = L.Record(0, 90, 100, 50.0, None, error="AnswerTimeout")
+    failed.ideal = failed.reused = 0
+    s = L.summarise(recs + [failed], 10.0)
+    assert s["tokens_computed_per_row"] == round((100 + 500 + 100) / 3)  # 233; the failed row counts nothing
+    s["gpu_busy_pct"] = 50.0
+    assert L.device_us_per_token(s) == round(0.5 * 1e6 / (0.3 * 233), 1)
+    assert L.device_us_per_token({**s, "gpu_busy_pct": None}) is None
+    assert L.summarise([], 10.0)["tokens_computed_per_row"] is None
+
+
 def test_padding_reads_the_runner_counts():
     L = _bench()
     s = {"worker_stats": {"engine": {"batch": {"tokens": 1500, "padded_tokens": 2048}}}}
