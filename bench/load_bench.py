@@ -638,9 +638,10 @@ def markdown(res: dict) -> str:
             f"{n} agents: peak {m['peak_allocated']:,.0f}, reserved {m['reserved']:,.0f}, free {m['free']:,.0f}"
             for n, m in mem if m), ""]
     lines += ["| agents | rows/s | rows | failed | memo | hit | partial | cold | plain | p50 ms | p99 ms | hit p50 ms | "
-              "hit p99 ms | new page p50 ms | reused / unbounded | reused of all tokens | GPU busy % |",
+              "hit p99 ms | new page p50 ms | reused / unbounded | reused of all tokens | GPU busy % | tokens computed a "
+              "row | device us a computed token |",
               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-              "| ---: |"]
+              "| ---: | ---: | ---: |"]
     for n, s in res.get("worker", {}).get("configs", {}).items():
         p, hit = s["paths"], s["latency_by_path"].get("hit", {})
         lines.append(f"| {n} | {fmt(s['rows_per_s'])} | {s['rows']} | {s['failed']} | "
@@ -648,7 +649,8 @@ def markdown(res: dict) -> str:
                      + f" | {fmt(s['latency']['p50_ms'])} | {fmt(s['latency']['p99_ms'])} | {fmt(hit.get('p50_ms'))} | "
                      f"{fmt(hit.get('p99_ms'))} | {fmt(s.get('latency_new_page', {}).get('p50_ms'))} | "
                      f"{fmt(s['reused_vs_unbounded'])} | {fmt(s['reused_of_all_tokens'])} | "
-                     f"{fmt(s.get('gpu_busy_pct'))} |")
+                     f"{fmt(s.get('gpu_busy_pct'))} | {fmt(s.get('tokens_computed_per_row'))} | "
+                     f"{fmt(s.get('device_us_per_computed_token'))} |")
     starts = [(n, s["warmup_s"], s["from_start"]) for n, s in cfgs.items() if s.get("from_start")]
     if starts:  # the same runs counted from the agents' start, synchronised first visits included
         lines += ["", "Rows sent after a warm-up of " + ", ".join(f"{w:g} s ({n} agents)" for n, w, _ in starts)
