@@ -157,6 +157,17 @@ class AgentTrace:
         return [self.next_row(k % len(self.agents)) for k in range(n)]
 
 
+def token_range(vocab_size: int) -> tuple[int, int]:
+    """The ids the agents' rows draw from: above the special tokens of small tokenizers, below the vocabulary."""
+    return (min(1000, vocab_size // 4), vocab_size)
+
+
+def trace_seed(seed: int, k: int) -> int:
+    """The seed of the trace of a run's k-th agents count: bench/step_sim.py replays the same rows for the same --seed,
+    --agents order and vocabulary (token_range)."""
+    return seed * 1000 + 1 + k
+
+
 def unbounded_reuse(rows: list[Row], align: int = ALIGN) -> list[int]:
     """For each row in order: the tokens an unbounded cache could restore, the longest prefix it shares with any
     earlier row's state (and within its own state): a whole earlier state as it is (a state's end is a checkpoint),
@@ -377,7 +388,7 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
         except Exception as e:  # noqa: BLE001
             out["engine_at_start"] = {"error": str(e)}
         for k, n in enumerate(args.agents):
-            trace = AgentTrace(n, seed=args.seed * 1000 + 1 + k, vocab=vocab, min_state=args.min_state,
+            trace = AgentTrace(n, seed=trace_seed(args.seed, k), vocab=vocab, min_state=args.min_state,
                                max_state=args.max_state)
             print(f"[load] {n} agents for {args.seconds} s ...", file=sys.stderr, flush=True)
             with GpuBusy() as busy:
@@ -818,7 +829,7 @@ def main(argv=None) -> int:
 
         args.model = str(tiny_model_dir())
     vocab_size = model_vocab(args.model)
-    vocab = (min(1000, vocab_size // 4), vocab_size)  # above the special tokens of small tokenizers, below the vocab
+    vocab = token_range(vocab_size)
     import torch
 
     res: dict = {"meta": {"model": args.model, "model_name": Path(args.model).name, "argv": sys.argv[1:],

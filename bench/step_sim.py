@@ -41,9 +41,10 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from load_bench import AgentTrace  # noqa: E402
+from load_bench import AgentTrace, token_range, trace_seed  # noqa: E402
 
 from statecache.cache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
+from statecache.cache.index import fork_at  # noqa: E402
 from statecache.dev.checkpoints import real_shape  # noqa: E402
 from statecache.model.config import parse_config  # noqa: E402
 from statecache.sched import IndexView, Layout, Row, Scheduler  # noqa: E402
@@ -147,7 +148,7 @@ class Agents:
     """The closed loop: agent i's next row reaches the worker rtt after its last answer."""
 
     def __init__(self, n: int, seed: int, rtt_s: float, max_jobs: int = 0):
-        self.trace = AgentTrace(n, seed, (1000, 248_000))
+        self.trace = AgentTrace(n, seed, token_range(real_shape("9B")["vocab_size"]))  # load_bench's rows on the 9B
         self.rtt_s = rtt_s
         self.max_jobs = max_jobs  # rows the worker holds at once (STATECACHE_MAX_JOBS; 0: no bound): the rest wait in
         self.queued: list = []  # Redis, first in first out
@@ -188,14 +189,20 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
     the rows arrived by then) as soon as this one is launched, and runs right after it, so a row arriving while a
     step runs joins the step after the next one; else the next step is planned when this one has ended."""
     layout = Layout.from_settings()
-    sched = Scheduler(make_view(layout), layout, budget_tokens=budget, chunk_tokens=chunk, max_piece=max_piece)
+    view = make_view(layout)
+    sched = Scheduler(view, layout, budget_tokens=budget, chunk_tokens=chunk, max_piece=max_piece)
     rows: dict = {}
     t, busy, steps, padded = 0.0, 0.0, 0, 0
 
     def take_and_plan(now: float):
         for r in agents.due(now):
             rows[r.rid] = r
-            sched.add(r)
+            p = layout.end(r.state_len)
+            found = view.lookup(r.ids, p)  # as statecache.step.Steps.add: where its tokens leave a cached state
+            x = view.index.shared_depth(r.ids, p) if len(view.index) else 0
+            fork = fork_at(x, p, found.pos if found is not None else 0)
+            r.forks = (fork,) if fork else ()
+            sched.add(r, found)
         return sched.plan()
 
     cur = take_and_plan(t)
@@ -377,10 +384,10 @@ def main(argv=None) -> int:
     print("\n| agents | policy | budget | chunk | rows/s | p50 ms | p99 ms | hit p50 / p99 | partial p50 / p99 | "
           "cold p50 / p99 | reused | tokens a row | GPU busy | tokens a step | padding |\n| ---: | --- | ---: | ---: | ---: "
           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for n in map(int, args.agents.split(",")):
+    for k, n in enumerate(map(int, args.agents.split(","))):
         for policy, B, C in configs:
             t0 = time.perf_counter()
-            agents = Agents(n, args.seed + n, args.rtt_ms / 1e3, args.max_jobs)
+            agents = Agents(n, trace_seed(args.seed, k), args.rtt_ms / 1e3, args.max_jobs)  # load_bench's k-th trace
             model.turn_ms = args.turn_ms if policy == "today" else args.step_turn_ms
             info = run_today(agents, model, args.seconds) if policy == "today" else \
                 run_steps(agents, model, args.seconds, B, C, args.max_piece, args.pipelined)

@@ -115,3 +115,21 @@ def test_padding_reads_the_runner_counts():
     assert L.padding({"worker_stats": {"engine": {}}}) is None
     s["worker_stats"]["engine"]["batch"]["buckets"] = {"1536": [1, 1100], "512": [1, 400]}
     assert L.padding(s) == "1500 / 2048 (26.8% padding); by bucket 1536: 1 forwards 28.4%, 512: 1 forwards 21.9%"
+
+
+def test_the_simulator_plants_fork_points_as_the_engine_does():
+    """bench/step_sim.py replays load_bench's trace through the real scheduler; a new page after the same goal and
+    steps restores the agent's shared head from the checkpoint planted where an earlier new page left it (the fork
+    point, statecache.cache.index.fork_at), as the engine does, so hardly a row is cold beside the agents' first
+    visits (here 8 of 1,578 rows; without the fork points 134 of 1,255)."""
+    _bench()
+    spec = importlib.util.spec_from_file_location("step_sim", ROOT / "bench" / "step_sim.py")
+    S = importlib.util.module_from_spec(spec)
+    sys.modules["step_sim"] = S
+    spec.loader.exec_module(S)
+    model, _ = S.fit()
+    agents = S.Agents(4, S.trace_seed(0, 0), 0.02, 16)
+    S.run_steps(agents, model, 20.0, 2048, 512, 512, True)
+    paths = [p for _, _, p, _, _ in agents.records]
+    assert len(paths) > 1000 and paths.count("cold") < 0.02 * len(paths), paths.count("cold")
+    assert paths.count("partial") > 0.2 * len(paths)

@@ -96,6 +96,14 @@ def as_ids(ids: object) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
+def fork_at(x: int, p: int, c0: int) -> int:
+    """The fork point of a row whose state ends at p, restoring c0, that shares [0, x) with a cached group
+    (`CheckpointIndex.shared_depth`): x when c0 < x < p, else 0 (p is planted anyway). [c0, x) is recomputed though it
+    was cached; a checkpoint planted at x lets the next row sharing it (a new page after the same goal and steps)
+    reuse it. The rule the engine (statecache.cache.store.StateCache.fork_point) and bench/step_sim.py share."""
+    return x if c0 < x < p else 0
+
+
 class CheckpointIndex:
     """Checkpoints by (position, tokens), an LRU order over them, and a byte budget.
 

@@ -33,7 +33,7 @@ import torch
 
 from statecache.cache.budget import CPU_DEFAULT_MB, MIB, host_available_bytes, host_budget
 from statecache.cache.config import CacheSettings
-from statecache.cache.index import DEVICE, Checkpoint, CheckpointIndex, plan_chunks, state_end
+from statecache.cache.index import DEVICE, Checkpoint, CheckpointIndex, fork_at, plan_chunks, state_end
 from statecache.cache.tiers import HostPool
 
 log = logging.getLogger("statecache.cache.store")
@@ -103,13 +103,11 @@ class StateCache:
         and counted as `tokens_lost`; planting a checkpoint at x lets the next row sharing it reuse it. Asked once per
         row that runs, before it plants."""
         x = self.index.shared_depth(keys, p) if len(self.index) else 0
-        if x <= c0:
-            return 0
-        self.stats["tokens_lost"] += x - c0
-        if x >= p:  # p itself is always planned
-            return 0
-        self.stats["forks"] += 1
-        return x
+        if x > c0:
+            self.stats["tokens_lost"] += x - c0
+        fork = fork_at(x, p, c0)
+        self.stats["forks"] += bool(fork)
+        return fork
 
     def bring(self, c: Checkpoint | None, keys, limit: int, route: int | None = None) -> Checkpoint | None:
         """The checkpoint a row will restore, on the device: one on the host tier is copied back (statecache.cache.index
