@@ -5,9 +5,11 @@ a model of today's engine, with GPU time from a cost model fitted to H200 measur
                              [--chunks 512,1024,2048] [--padded] [--seed 0] [--out FILE.json]
 
 The trace is load_bench's own (`AgentTrace`: states of 2-6k tokens; a visit asks 1-3 questions; then the page grows
-by an action, 75%, or a new page replaces it; each agent sends its next row when its last answer arrives), token-exact
-over the real checkpoint index (statecache.sched.IndexView over statecache.cache.index.CheckpointIndex, the 9B shape's
-bytes, a 66 GiB budget as the worker had in s11_run2).
+by an action, 75%, or a new page replaces it; each agent sends its next row when its last answer arrives): the k-th
+agents count replays the very rows load_bench sends for it with the same --seed (`trace_seed`, `token_range`), so a
+run compares with load_bench's on the same trace. Token-exact over the real checkpoint index (statecache.sched.IndexView
+over statecache.cache.index.CheckpointIndex, the 9B shape's bytes, a 66 GiB budget as the worker had in s11_run2); the
+steps plant fork points as the engine does (statecache.cache.index.fork_at: where a row's tokens leave a cached state).
 
 The cost model (`fit`): milliseconds of one forward's graph = a + b * tokens + c * sequences + d * attention pairs
 (each sequence's query-key pairs, L * (start + L / 2)), least squares over the graph replays measured on the H200:
