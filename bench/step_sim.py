@@ -2,7 +2,7 @@
 a model of today's engine, with GPU time from a cost model fitted to H200 measurements in bench/results/.
 
     python bench/step_sim.py [--agents 16,64] [--seconds 60] [--warmup-s 10] [--budgets 1024,2048,4096]
-                             [--chunks 512,1024,2048] [--padded] [--seed 0] [--out FILE.json]
+                             [--chunks 512,1024,2048] [--padded] [--fit-log RESULTS_JSON ...] [--seed 0] [--out FILE.json]
 
 The trace is load_bench's own (`AgentTrace`: states of 2-6k tokens; a visit asks 1-3 questions; then the page grows
 by an action, 75%, or a new page replaces it; each agent sends its next row when its last answer arrives): the k-th
@@ -15,7 +15,9 @@ The cost model (`fit`): milliseconds of one forward's graph = a + b * tokens + c
 (each sequence's query-key pairs, L * (start + L / 2)), least squares over the graph replays measured on the H200:
 batched hits of 64-token questions from 4096-token states (gpu_batch.py, s9_run1, s10_run4, s11_run2) and one
 uncached row of 2496, 3072, 4160 tokens (gpu_plant.py, s10_run4); the host's share of a forward (wall less graph,
-the same gpu_batch runs) = h0 + h1 * sequences. The fit's error on every point is printed.
+the same gpu_batch runs) = h0 + h1 * sequences. The fit's error on every point is printed. `--fit-log RESULTS_JSON`
+fits it instead to the steps a worker ran (load_bench results: the engine logs its last steps' pieces, tokens, padded
+tokens, attention pairs and device time, statecache.step.STEP_LOG_FIELDS), on whatever card ran them.
 
 Today's policy (`today`), as statecache.engine and worker.gpu_thread run it: the GPU thread takes every row waiting
 as a batch; the engine runs one batched forward for its hits and the first row of each grown state, one for the
@@ -137,6 +139,32 @@ def fit() -> tuple[CostModel, list]:
         pred = model.graph_ms(pieces)
         rows.append((src, k, t, ms, pred, 100 * (pred - ms) / ms))
     return model, rows
+
+
+def fit_log(paths: list) -> tuple[CostModel, dict]:
+    """A cost model fitted to the steps a worker ran (load_bench's results.json: each config's
+    worker_stats.engine.steps.log, statecache.step.STEP_LOG_FIELDS): device ms = a + b * padded tokens + c * pieces +
+    d * M attention pairs, least squares over every logged step; the host's share is off the device's path in the
+    pipelined step loop (none). Steps are charged at their token buckets (the model is `padded`). -> (model, summary)."""
+    X, y = [], []
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        for cfg in d.get("worker", {}).get("configs", {}).values():
+            st = cfg.get("worker_stats", {}).get("engine", {}).get("steps", {})
+            f = st.get("log_fields")
+            for row in st.get("log", ()):
+                r = dict(zip(f, row))
+                X.append([1.0, r["padded"], r["pieces"], r["attn_pairs_m"]])
+                y.append(r["device_ms"])
+    if len(y) < 8:
+        raise SystemExit(f"step_sim: --fit-log found {len(y)} logged steps in {paths}; it needs a load_bench run of this "
+                         f"tree (the worker logs its last steps)")
+    X, y = np.array(X), np.array(y)
+    coef = np.maximum(np.linalg.lstsq(X, y, rcond=None)[0], 0)
+    err = (X @ coef - y) / y
+    model = CostModel(tuple(float(c) for c in coef), (0.0, 0.0), 0)
+    model.padded = True
+    return model, {"steps": len(y), "median_error": float(np.median(np.abs(err))), "coef": model.coef}
 
 
 # ---- the simulations -----------------------------------------------------------------------------------------------
@@ -363,10 +391,18 @@ def main(argv=None) -> int:
                     help="a step's tokens cost as its token bucket's, as the batched runner pads its forwards, and the "
                          "table gives the share of padding (the fit's points are whole buckets but for the one-row "
                          "graphs of 2496 and 4160 tokens; needs torch, for the buckets)")
+    ap.add_argument("--fit-log", nargs="+", default=None, metavar="RESULTS_JSON",
+                    help="fit the cost model to the steps a worker logged in these load_bench results (device ms by "
+                         "padded tokens, pieces and attention pairs; implies --padded) instead of the H200 graph timings")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     model, errors = fit()
+    if args.fit_log:
+        model, info = fit_log(args.fit_log)
+        errors = []
+        args.padded = True
+        print(f"[fit-log] {info['steps']} logged steps, median |error| {100 * info['median_error']:.1f}%")
     a, b, c, d = model.coef
     model.turn_ms = args.turn_ms
     model.padded = args.padded
@@ -375,7 +411,8 @@ def main(argv=None) -> int:
     print(f"[fit] graph ms = {a:.3f} + {b * 1e3:.4f} us/token * max(tokens, {model.floor}) + {c:.4f} * seqs + "
           f"{d:.4f} * M attention pairs; host ms = {model.hcoef[0]:.3f} + {model.hcoef[1]:.4f} * seqs + {args.turn_ms} "
           f"a turn of the GPU thread")
-    print("| point | seqs | tokens | measured ms | model ms | error |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    if errors:  # the graph points of the H200 fit
+        print("| point | seqs | tokens | measured ms | model ms | error |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for src, k, t, ms, pred, err in errors:
         print(f"| {src} | {k} | {t} | {ms:.2f} | {pred:.2f} | {err:+.1f}% |")
     out = {"fit": {"coef": model.coef, "host": model.hcoef, "points": errors}, "runs": []}

@@ -49,7 +49,7 @@ from statecache.rows.text import answer_tokens, text_bound
 from statecache.run.batch import CHUNK, BatchRunner
 from statecache.run.compile_cache import use_persistent_caches
 from statecache.sched import slots_at_one_position
-from statecache.step import BUDGET_TOKENS, CHUNK_TOKENS, RowFailed, Steps
+from statecache.step import BUDGET_TOKENS, CHUNK_TOKENS, STEP_LOG_FIELDS, RowFailed, Steps
 
 log = logging.getLogger("statecache.engine")
 LETTERS = list(string.ascii_uppercase)
@@ -525,7 +525,8 @@ class Engine:
                 "budget": dataclasses.asdict(self.budget), "budget_rechecks": dict(self.memory), **self._device_memory(),
                 "phases": {k: round(v, 3) if k.endswith("_s") else v for k, v in self.phases.items()},
                 "steps": {**self.steps.stats, "seconds": {k: round(v, 3) for k, v in self.steps.seconds.items()},
-                          "scheduler": dict(self.steps.sched.stats)},
+                          "scheduler": dict(self.steps.sched.stats), "log_fields": list(STEP_LOG_FIELDS),
+                          "log": [list(x) for x in self.steps.log]},
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
 
     def recheck_memory(self) -> int:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,11 @@ log = logging.getLogger("statecache.step")
 
 BUDGET_TOKENS = 2048  # tokens a step holds (bench/step_sim.py's choice for the 9B shape on an H200: bench/README.md)
 CHUNK_TOKENS = 1024  # the most a new page advances in one step (capped at the batched runner's longest piece)
+STEP_LOG = 1024  # the last steps `Steps.log` keeps
+# a logged step: its pieces, their tokens, the tokens its forwards ran (token buckets), its longest piece, its attention
+# query-key pairs in millions (each piece L * (start + L / 2)), and its device milliseconds (CUDA events around its
+# forwards; on the CPU their wall time): what bench/step_sim.py's cost model is fitted to
+STEP_LOG_FIELDS = ("pieces", "tokens", "padded", "longest", "attn_pairs_m", "device_ms")
 
 
 class RowFailed(Exception):
@@ -101,6 +107,7 @@ class _Flight:
     step: object
     reads: list
     pinned: list
+    timing: tuple = ()  # (start, end: CUDA events or perf_counter seconds, the step's STEP_LOG_FIELDS but the time)
 
 
 class CacheView:
@@ -175,6 +182,7 @@ class Steps:
         # (planting inside it: `plant`), evicting
         self.seconds = dict.fromkeys(("plan", "restore", "forward", "keep", "read", "done", "plant", "evict"), 0.0)
         self._flight: _Flight | None = None  # the step launched and not yet finished
+        self.log: deque = deque(maxlen=STEP_LOG)  # the last steps, as STEP_LOG_FIELDS tuples
 
     # ---- which rows ----------------------------------------------------------------------------------------------
 
@@ -265,10 +273,21 @@ class Steps:
         self.stats["pieces"] += len(items)
         self.stats["tokens"] += step.tokens
         reads: list = []
+        cuda = self.runner.device.type == "cuda"
+        padded = self.runner.stats["padded_tokens"]
+        t0 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            t0.record()
         for failed, error in self._run(items, reads):
             out.append(self._fail(failed, error))
+        t1 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            t1.record()
         sec["forward"] += time.perf_counter() - t2
-        return _Flight(step, reads, pinned), out
+        shape = (len(step.pieces), step.tokens, self.runner.stats["padded_tokens"] - padded,
+                 max(pc.tokens for pc in step.pieces),
+                 round(sum(pc.tokens * (pc.start + pc.tokens / 2) for pc in step.pieces) / 1e6, 4))
+        return _Flight(step, reads, pinned, (t0, t1, shape)), out
 
     def _finish(self, flight: "_Flight") -> list[tuple[object, Answer | RowFailed]]:
         """A launched step's end: its answers read (waiting for the device), the scheduler told, the rows it finished
@@ -292,6 +311,7 @@ class Steps:
                         live.probs[j] = probs[b, k, : n_options(opts)].tolist()
         t1 = time.perf_counter()
         sec["read"] += t1 - t0
+        self._log(flight)
         for fin in self.sched.done(flight.step):
             live = self.live.pop(fin.row.rid)
             self._end(fin.row.rid, live)
@@ -317,6 +337,22 @@ class Steps:
         self.cache.stats["evicted"] += len(self.cache.index.evict())
         sec["evict"] += time.perf_counter() - t2
         return out
+
+    def _log(self, flight: "_Flight") -> None:
+        """The finished step's shape and device time into `log` (its answers are read: its forwards have run)."""
+        if not flight.timing:
+            return
+        start, end, shape = flight.timing
+        if isinstance(start, float):
+            ms = 1e3 * (end - start)
+        else:
+            try:
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            except RuntimeError as e:  # noqa: BLE001 - a step whose time cannot be read is left out of the log
+                log.debug("a step's device time could not be read: %s", e)
+                return
+        self.log.append((*shape, round(ms, 3)))
 
     def _unpin(self, flight: "_Flight") -> None:
         for c in flight.pinned:

@@ -133,3 +133,27 @@ def test_the_simulator_plants_fork_points_as_the_engine_does():
     paths = [p for _, _, p, _, _ in agents.records]
     assert len(paths) > 1000 and paths.count("cold") < 0.02 * len(paths), paths.count("cold")
     assert paths.count("partial") > 0.2 * len(paths)
+
+
+def test_the_simulator_fits_its_cost_model_to_the_steps_a_worker_logged(tmp_path):
+    """step_sim --fit-log: device ms = a + b padded tokens + c pieces + d M attention pairs, least squares over the
+    steps logged in load_bench results (statecache.step.STEP_LOG_FIELDS); the model then charges token buckets."""
+    import json
+
+    _bench()
+    spec = importlib.util.spec_from_file_location("step_sim", ROOT / "bench" / "step_sim.py")
+    S = importlib.util.module_from_spec(spec)
+    sys.modules["step_sim"] = S
+    spec.loader.exec_module(S)
+    from statecache.step import STEP_LOG_FIELDS
+
+    rng = random.Random(3)
+    log = []
+    for _ in range(200):
+        pieces, padded, pairs = rng.randint(1, 20), rng.choice([256, 512, 1024, 1536, 2048]), rng.uniform(0.1, 20)
+        log.append([pieces, padded - 7, padded, 512, pairs, 2.0 + 0.03 * padded + 0.2 * pieces + 0.5 * pairs])
+    cfg = {"worker_stats": {"engine": {"steps": {"log_fields": list(STEP_LOG_FIELDS), "log": log}}}}
+    (tmp_path / "results.json").write_text(json.dumps({"worker": {"configs": {"16": cfg}}}))
+    model, info = S.fit_log([tmp_path / "results.json"])
+    assert info["steps"] == 200 and info["median_error"] < 1e-6
+    assert [round(c, 6) for c in model.coef] == [2.0, 0.03, 0.2, 0.5] and model.padded
