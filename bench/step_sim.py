@@ -17,7 +17,8 @@ batched hits of 64-token questions from 4096-token states (gpu_batch.py, s9_run1
 uncached row of 2496, 3072, 4160 tokens (gpu_plant.py, s10_run4); the host's share of a forward (wall less graph,
 the same gpu_batch runs) = h0 + h1 * sequences. The fit's error on every point is printed. `--fit-log RESULTS_JSON`
 fits it instead to the steps a worker ran (load_bench results: the engine logs its last steps' pieces, tokens, padded
-tokens, attention pairs and device time, statecache.step.STEP_LOG_FIELDS), on whatever card ran them.
+tokens, longest piece, attention pairs and device time, statecache.step.STEP_LOG_FIELDS), on whatever card ran them,
+with a fifth term for the 64-token chunks of a step's longest piece (the delta rule runs them one after another).
 
 Today's policy (`today`), as statecache.engine and worker.gpu_thread run it: the GPU thread takes every row waiting
 as a batch; the engine runs one batched forward for its hits and the first row of each grown state, one for the
@@ -57,6 +58,7 @@ from statecache.settings import Settings  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 LAYERS, BETWEEN_LAYERS = 32, 4  # the 9B shape's layers; today's planting graph stops every 4 (Settings.between_layers)
 PLANT_RATIO = 1.02  # planting graph / plain graph of the same row (s10_run4: 1.015-1.028)
+CHUNK = 64  # the delta rule's chunk (statecache.run.batch.CHUNK; that module imports torch)
 CACHE_MB = 66_171  # the worker's budget in s11_run2 (results.md)
 
 
@@ -91,13 +93,15 @@ class CostModel:
         self.padded = False  # True: a forward's tokens cost as its token bucket's (the batched runner's padding)
 
     def graph_ms(self, pieces) -> float:
-        """pieces: (start, length) per sequence."""
-        a, b, c, d = self.coef
+        """pieces: (start, length) per sequence. A fifth coefficient (fit_log's) charges each 64-token chunk of the
+        longest piece: the delta rule runs a sequence's chunks one after another."""
+        a, b, c, d, *e = self.coef
         toks = sum(L for _, L in pieces)
         if self.padded:
             toks = padded_tokens(toks)
         pairs = sum(attn_pairs(s, L) for s, L in pieces)
-        return a + b * max(toks, self.floor) + c * len(pieces) + d * pairs / 1e6
+        chain = e[0] * -(-max((L for _, L in pieces), default=0) // CHUNK) if e else 0.0
+        return a + b * max(toks, self.floor) + c * len(pieces) + d * pairs / 1e6 + chain
 
     def host_ms(self, seqs: int) -> float:
         return self.hcoef[0] + self.hcoef[1] * seqs + (self.turn_ms if seqs else 0.0)
@@ -144,8 +148,9 @@ def fit() -> tuple[CostModel, list]:
 def fit_log(paths: list) -> tuple[CostModel, dict]:
     """A cost model fitted to the steps a worker ran (load_bench's results.json: each config's
     worker_stats.engine.steps.log, statecache.step.STEP_LOG_FIELDS): device ms = a + b * padded tokens + c * pieces +
-    d * M attention pairs, least squares over every logged step; the host's share is off the device's path in the
-    pipelined step loop (none). Steps are charged at their token buckets (the model is `padded`). -> (model, summary)."""
+    d * M attention pairs + e * 64-token chunks of the longest piece, least squares over every logged step; the
+    host's share is off the device's path in the pipelined step loop (none). Steps are charged at their token buckets
+    (the model is `padded`). -> (model, summary)."""
     X, y = [], []
     for path in paths:
         d = json.loads(Path(path).read_text())
@@ -154,7 +159,7 @@ def fit_log(paths: list) -> tuple[CostModel, dict]:
             f = st.get("log_fields")
             for row in st.get("log", ()):
                 r = dict(zip(f, row))
-                X.append([1.0, r["padded"], r["pieces"], r["attn_pairs_m"]])
+                X.append([1.0, r["padded"], r["pieces"], r["attn_pairs_m"], -(-r["longest"] // CHUNK)])
                 y.append(r["device_ms"])
     if len(y) < 8:
         raise SystemExit(f"step_sim: --fit-log found {len(y)} logged steps in {paths}; it needs a load_bench run of this "
@@ -403,13 +408,14 @@ def main(argv=None) -> int:
         errors = []
         args.padded = True
         print(f"[fit-log] {info['steps']} logged steps, median |error| {100 * info['median_error']:.1f}%")
-    a, b, c, d = model.coef
+    a, b, c, d, *e = model.coef
     model.turn_ms = args.turn_ms
     model.padded = args.padded
     if args.step_turn_ms is None:
         args.step_turn_ms = args.turn_ms
     print(f"[fit] graph ms = {a:.3f} + {b * 1e3:.4f} us/token * max(tokens, {model.floor}) + {c:.4f} * seqs + "
-          f"{d:.4f} * M attention pairs; host ms = {model.hcoef[0]:.3f} + {model.hcoef[1]:.4f} * seqs + {args.turn_ms} "
+          f"{d:.4f} * M attention pairs" + (f" + {e[0]:.4f} * chunks of the longest piece" if e else "") +
+          f"; host ms = {model.hcoef[0]:.3f} + {model.hcoef[1]:.4f} * seqs + {args.turn_ms} "
           f"a turn of the GPU thread")
     if errors:  # the graph points of the H200 fit
         print("| point | seqs | tokens | measured ms | model ms | error |\n| --- | ---: | ---: | ---: | ---: | ---: |")

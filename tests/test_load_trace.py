@@ -136,8 +136,9 @@ def test_the_simulator_plants_fork_points_as_the_engine_does():
 
 
 def test_the_simulator_fits_its_cost_model_to_the_steps_a_worker_logged(tmp_path):
-    """step_sim --fit-log: device ms = a + b padded tokens + c pieces + d M attention pairs, least squares over the
-    steps logged in load_bench results (statecache.step.STEP_LOG_FIELDS); the model then charges token buckets."""
+    """step_sim --fit-log: device ms = a + b padded tokens + c pieces + d M attention pairs + e chunks of the longest
+    piece, least squares over the steps logged in load_bench results (statecache.step.STEP_LOG_FIELDS); the model then
+    charges token buckets and the longest piece's chain."""
     import json
 
     _bench()
@@ -151,9 +152,13 @@ def test_the_simulator_fits_its_cost_model_to_the_steps_a_worker_logged(tmp_path
     log = []
     for _ in range(200):
         pieces, padded, pairs = rng.randint(1, 20), rng.choice([256, 512, 1024, 1536, 2048]), rng.uniform(0.1, 20)
-        log.append([pieces, padded - 7, padded, 512, pairs, 2.0 + 0.03 * padded + 0.2 * pieces + 0.5 * pairs])
+        longest = rng.choice([40, 64, 65, 200, 512])  # 1, 1, 2, 4, 8 chunks
+        log.append([pieces, padded - 7, padded, longest, pairs,
+                    2.0 + 0.03 * padded + 0.2 * pieces + 0.5 * pairs + 0.3 * -(-longest // 64)])
     cfg = {"worker_stats": {"engine": {"steps": {"log_fields": list(STEP_LOG_FIELDS), "log": log}}}}
     (tmp_path / "results.json").write_text(json.dumps({"worker": {"configs": {"16": cfg}}}))
     model, info = S.fit_log([tmp_path / "results.json"])
     assert info["steps"] == 200 and info["median_error"] < 1e-6
-    assert [round(c, 6) for c in model.coef] == [2.0, 0.03, 0.2, 0.5] and model.padded
+    assert [round(c, 6) for c in model.coef] == [2.0, 0.03, 0.2, 0.5, 0.3] and model.padded
+    assert abs(model.graph_ms([(0, 200), (4000, 50)]) - (2.0 + 0.03 * 256 + 0.4 + 0.5 * (200 * 100 + 50 * 4025) / 1e6
+                                                         + 0.3 * 4)) < 1e-9  # 250 tokens: the 256 bucket
