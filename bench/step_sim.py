@@ -147,7 +147,7 @@ def fit() -> tuple[CostModel, list]:
 
 def fit_log(paths: list) -> tuple[CostModel, dict]:
     """A cost model fitted to the steps a worker ran (load_bench's results.json: each config's
-    worker_stats.engine.steps.log, statecache.step.STEP_LOG_FIELDS): device ms = a + b * padded tokens + c * pieces +
+    worker_stats.engine.step_log, statecache.step.STEP_LOG_FIELDS): device ms = a + b * padded tokens + c * pieces +
     d * M attention pairs + e * 64-token chunks of the longest piece, least squares over every logged step; the
     host's share is off the device's path in the pipelined step loop (none). Steps are charged at their token buckets
     (the model is `padded`). -> (model, summary)."""
@@ -155,9 +155,9 @@ def fit_log(paths: list) -> tuple[CostModel, dict]:
     for path in paths:
         d = json.loads(Path(path).read_text())
         for cfg in d.get("worker", {}).get("configs", {}).values():
-            st = cfg.get("worker_stats", {}).get("engine", {}).get("steps", {})
-            f = st.get("log_fields")
-            for row in st.get("log", ()):
+            st = cfg.get("worker_stats", {}).get("engine", {}).get("step_log", {})
+            f = st.get("fields")
+            for row in st.get("steps", ()):
                 r = dict(zip(f, row))
                 X.append([1.0, r["padded"], r["pieces"], r["attn_pairs_m"], -(-r["longest"] // CHUNK)])
                 y.append(r["device_ms"])

@@ -525,9 +525,13 @@ class Engine:
                 "budget": dataclasses.asdict(self.budget), "budget_rechecks": dict(self.memory), **self._device_memory(),
                 "phases": {k: round(v, 3) if k.endswith("_s") else v for k, v in self.phases.items()},
                 "steps": {**self.steps.stats, "seconds": {k: round(v, 3) for k, v in self.steps.seconds.items()},
-                          "scheduler": dict(self.steps.sched.stats), "log_fields": list(STEP_LOG_FIELDS),
-                          "log": [list(x) for x in self.steps.log]},
+                          "scheduler": dict(self.steps.sched.stats)},
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
+
+    def step_log(self) -> dict:
+        """The last steps the loop ran (statecache.step.Steps.log): their shapes and device times, by
+        STEP_LOG_FIELDS. Apart from `stats()`, which the worker snapshots after every batch."""
+        return {"fields": list(STEP_LOG_FIELDS), "steps": [list(x) for x in self.steps.log]}
 
     def recheck_memory(self) -> int:
         """Re-size the cache's budget from the device's free memory now (statecache.cache.budget.rebudget; CUDA, budget

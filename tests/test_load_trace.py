@@ -155,7 +155,7 @@ def test_the_simulator_fits_its_cost_model_to_the_steps_a_worker_logged(tmp_path
         longest = rng.choice([40, 64, 65, 200, 512])  # 1, 1, 2, 4, 8 chunks
         log.append([pieces, padded - 7, padded, longest, pairs,
                     2.0 + 0.03 * padded + 0.2 * pieces + 0.5 * pairs + 0.3 * -(-longest // 64)])
-    cfg = {"worker_stats": {"engine": {"steps": {"log_fields": list(STEP_LOG_FIELDS), "log": log}}}}
+    cfg = {"worker_stats": {"engine": {"step_log": {"fields": list(STEP_LOG_FIELDS), "steps": log}}}}
     (tmp_path / "results.json").write_text(json.dumps({"worker": {"configs": {"16": cfg}}}))
     model, info = S.fit_log([tmp_path / "results.json"])
     assert info["steps"] == 200 and info["median_error"] < 1e-6

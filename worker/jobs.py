@@ -279,7 +279,8 @@ async def undecodable(ctx: dict, code: str = "undecodable", message: str = "", p
 async def stats(ctx: dict) -> dict:
     gpu: GpuThread = ctx["gpu"]
     backlog: Backlog = ctx["backlog"]
-    engine_stats = await gpu.call(lambda engine: dict(engine.stats()))
+    engine_stats = await gpu.call(lambda engine: {**engine.stats(), **(
+        {"step_log": engine.step_log()} if hasattr(engine, "step_log") else {})})  # the last steps (an engine's option)
     return {
         "engine": engine_stats,
         "worker": {**gpu.counters, "pending": gpu.pending(), "queued": backlog.queued, "in_flight": backlog.in_flight,
