@@ -45,7 +45,7 @@ from statecache.cache.store import Answer, StateCache
 from statecache.cache.tiers import kv_rows
 from statecache.run.batch import SNAPS_PER_PIECE, NotBatched, Piece
 from statecache.run.graphs import n_options
-from statecache.sched import Layout, Row, Scheduler, slots_at_one_position
+from statecache.sched import Layout, Row, Scheduler, attn_pairs, slots_at_one_position
 
 log = logging.getLogger("statecache.step")
 
@@ -273,21 +273,16 @@ class Steps:
         self.stats["pieces"] += len(items)
         self.stats["tokens"] += step.tokens
         reads: list = []
-        cuda = self.runner.device.type == "cuda"
         padded = self.runner.stats["padded_tokens"]
-        t0 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda:
-            t0.record()
+        start = self._mark()
         for failed, error in self._run(items, reads):
             out.append(self._fail(failed, error))
-        t1 = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda:
-            t1.record()
+        end = self._mark()
         sec["forward"] += time.perf_counter() - t2
         shape = (len(step.pieces), step.tokens, self.runner.stats["padded_tokens"] - padded,
                  max(pc.tokens for pc in step.pieces),
-                 round(sum(pc.tokens * (pc.start + pc.tokens / 2) for pc in step.pieces) / 1e6, 4))
-        return _Flight(step, reads, pinned, (t0, t1, shape)), out
+                 round(sum(attn_pairs(pc.start, pc.tokens) for pc in step.pieces) / 1e6, 4))
+        return _Flight(step, reads, pinned, (start, end, shape)), out
 
     def _finish(self, flight: "_Flight") -> list[tuple[object, Answer | RowFailed]]:
         """A launched step's end: its answers read (waiting for the device), the scheduler told, the rows it finished
@@ -338,6 +333,15 @@ class Steps:
         sec["evict"] += time.perf_counter() - t2
         return out
 
+    def _mark(self):
+        """A point in the device's stream (a recorded CUDA event) or, on the CPU, where forwards run as they are
+        called, the time now."""
+        if self.runner.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def _log(self, flight: "_Flight") -> None:
         """The finished step's shape and device time into `log` (its answers are read: its forwards have run)."""
         if not flight.timing:
@@ -349,7 +353,7 @@ class Steps:
             try:
                 end.synchronize()
                 ms = start.elapsed_time(end)
-            except RuntimeError as e:  # noqa: BLE001 - a step whose time cannot be read is left out of the log
+            except RuntimeError as e:  # a step whose time cannot be read is left out of the log
                 log.debug("a step's device time could not be read: %s", e)
                 return
         self.log.append((*shape, round(ms, 3)))

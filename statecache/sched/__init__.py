@@ -7,8 +7,9 @@ view of the cache; plain Python, no torch (a rules test holds that for every mod
 """
 
 from statecache.sched.layout import Layout
-from statecache.sched.steps import COLD, HIT, PARTIAL, PLAIN, Finished, Piece, Row, Scheduler, Step, slots_at_one_position
+from statecache.sched.steps import (COLD, HIT, PARTIAL, PLAIN, Finished, Piece, Row, Scheduler, Step, attn_pairs,
+                                    slots_at_one_position)
 from statecache.sched.view import CacheView, IndexView
 
 __all__ = ["Layout", "CacheView", "IndexView", "Scheduler", "Row", "Piece", "Step", "Finished", "HIT", "PARTIAL",
-           "COLD", "PLAIN", "slots_at_one_position"]
+           "COLD", "PLAIN", "attn_pairs", "slots_at_one_position"]

@@ -77,6 +77,13 @@ class Row:
         return min(self.slots) if len(self.slots) else self.n - 1
 
 
+def attn_pairs(start: int, length: int) -> float:
+    """The attention query-key pairs of a piece of `length` tokens starting at `start` (each token attends to the
+    positions before it and itself, about): what a step's attention costs grow with (statecache.step's log,
+    bench/step_sim.py's cost model)."""
+    return length * (start + length / 2)
+
+
 @dataclass(frozen=True)
 class Piece:
     """One sequence of a step: tokens [start, end) of row `rid`. `restore`: the checkpoint it starts from (the
