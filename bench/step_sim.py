@@ -52,7 +52,7 @@ from statecache.cache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
 from statecache.cache.index import fork_at  # noqa: E402
 from statecache.dev.checkpoints import real_shape  # noqa: E402
 from statecache.model.config import parse_config  # noqa: E402
-from statecache.sched import IndexView, Layout, Row, Scheduler  # noqa: E402
+from statecache.sched import IndexView, Layout, Row, Scheduler, attn_pairs  # noqa: E402
 from statecache.settings import Settings  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -63,10 +63,6 @@ CACHE_MB = 66_171  # the worker's budget in s11_run2 (results.md)
 
 
 # ---- the cost model --------------------------------------------------------------------------------------------------
-
-def attn_pairs(start: int, length: int) -> float:
-    return length * (start + length / 2)
-
 
 def measured_points() -> tuple[list, list]:
     """(graph points, host points) from bench/results: graph (sequences, tokens, attention pairs, ms, source);
@@ -398,16 +394,18 @@ def main(argv=None) -> int:
                          "graphs of 2496 and 4160 tokens; needs torch, for the buckets)")
     ap.add_argument("--fit-log", nargs="+", default=None, metavar="RESULTS_JSON",
                     help="fit the cost model to the steps a worker logged in these load_bench results (device ms by "
-                         "padded tokens, pieces and attention pairs; implies --padded) instead of the H200 graph timings")
+                         "padded tokens, pieces, attention pairs and the longest piece's chunks; implies --padded) instead of the "
+                         "H200 graph timings")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    model, errors = fit()
     if args.fit_log:
         model, info = fit_log(args.fit_log)
         errors = []
         args.padded = True
         print(f"[fit-log] {info['steps']} logged steps, median |error| {100 * info['median_error']:.1f}%")
+    else:
+        model, errors = fit()
     a, b, c, d, *e = model.coef
     model.turn_ms = args.turn_ms
     model.padded = args.padded
@@ -429,10 +427,10 @@ def main(argv=None) -> int:
     print("\n| agents | policy | budget | chunk | rows/s | p50 ms | p99 ms | hit p50 / p99 | partial p50 / p99 | "
           "cold p50 / p99 | reused | tokens a row | GPU busy | tokens a step | padding |\n| ---: | --- | ---: | ---: | ---: "
           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for k, n in enumerate(map(int, args.agents.split(","))):
+    for i, n in enumerate(map(int, args.agents.split(","))):
         for policy, B, C in configs:
             t0 = time.perf_counter()
-            agents = Agents(n, trace_seed(args.seed, k), args.rtt_ms / 1e3, args.max_jobs)  # load_bench's k-th trace
+            agents = Agents(n, trace_seed(args.seed, i), args.rtt_ms / 1e3, args.max_jobs)  # load_bench's i-th trace
             model.turn_ms = args.turn_ms if policy == "today" else args.step_turn_ms
             info = run_today(agents, model, args.seconds) if policy == "today" else \
                 run_steps(agents, model, args.seconds, B, C, args.max_piece, args.pipelined)
