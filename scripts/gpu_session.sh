@@ -13,7 +13,7 @@
 #   load16      the same with 16 agents only, no score or transformers (360: a cold start alone took 229 s)
 #   load16s     16 agents, then score and transformers on 8 rows (560)
 #   load1664    16 then 64 agents, no score or transformers (420); @PROFILE_S=S profiles the worker S seconds after each;
-#               @AGENTS=4,16,64 runs those agents counts instead
+#               @AGENTS=4,16,64 runs those agents counts instead; @WARMUP_S=S answers S seconds before the timed 30 (10)
 #   load64      64 agents only, no score or transformers (400)
 #   load16score 16 agents, then score; no transformers (480)
 #   score       statecache score alone (load_bench --skip-worker), 60 timed rows with --timings (400)
@@ -84,7 +84,8 @@ run_step() {
         load16score) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16 \
                   --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         load1664) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents "${AGENTS:-16,64}" \
-                  --seconds 30 --score-rows 0 --hf-rows 0 --profile-s "${PROFILE_S:-0}" >"$dir/log.txt" 2>&1 ;;
+                  --seconds 30 --warmup-s "${WARMUP_S:-10}" --score-rows 0 --hf-rows 0 --profile-s "${PROFILE_S:-0}" \
+                  >"$dir/log.txt" 2>&1 ;;
         load64) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 64 \
                   --seconds 30 --score-rows 0 --hf-rows 0 >"$dir/log.txt" 2>&1 ;;
         score) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --skip-worker \

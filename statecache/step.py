@@ -146,8 +146,11 @@ class CacheView:
     def touch(self, found) -> None:
         self.index.touch(found)
 
-    def planted(self, state, ids, p: int, positions, last: bool, route: int | None = None) -> None:
-        self._on_planted(state, positions, last)
+    def retire(self, found) -> None:
+        self.index.retire(found)
+
+    def planted(self, state, ids, p: int, positions, last: bool, route: int | None = None, forks=()) -> None:
+        self._on_planted(state, positions, last, forks)
 
     def state_bytes(self, state_len: int) -> int:
         return self.cache.state_bytes(state_len)
@@ -528,8 +531,9 @@ class Steps:
 
     # ---- planting and ends ---------------------------------------------------------------------------------------
 
-    def _planted(self, rid, positions, last: bool) -> None:
-        """The scheduler's word that a row's pieces passed `positions`; on the last, its group is planted."""
+    def _planted(self, rid, positions, last: bool, forks=()) -> None:
+        """The scheduler's word that a row's pieces passed `positions`; on the last, its group is planted (`forks`:
+        the row's fork points, planted as such)."""
         if not last:
             return
         live = self.live.get(rid)
@@ -543,7 +547,7 @@ class Steps:
         if K.shape[1] > live.p:  # the buffer also holds the question's K/V (a question of several pieces): not kept
             K, V = kv_rows(K, live.p).copy_(K[:, : live.p]), kv_rows(V, live.p).copy_(V[:, : live.p])
         try:
-            self.cache.plant(_keys(live.row), live.p, snaps, live.route, (K, V))
+            self.cache.plant(_keys(live.row), live.p, snaps, live.route, (K, V), forks)
         except Exception:  # noqa: BLE001 - the answers stand; only the planting is lost
             log.exception("planting a step's checkpoints failed")
         live.snaps = []

@@ -178,6 +178,29 @@ def test_tiny_budget_evicts_least_recently_used():
     assert cache.index.bytes <= budget
 
 
+def test_grown_past_end_goes_first_and_fork_points_get_a_lap():
+    """The two corrections to recency (statecache.cache.index: `retire`, `add_checkpoint(fork=True)`) as the step loop
+    makes them: a row that grows a state sends the old state's end to the eviction end (still a hit until evicted), and
+    a new page planting its fork point plants it with a spare lap."""
+    steps = make_steps()
+    cache = steps.cache
+    A = toks(330, 31)
+    ask(steps, A + question(8, 1), 330, [337], [4])
+    end_A = cache.index.lookup(A, 330)
+    assert end_A.pos == 330 and cache.index.lru_order()[-1] is end_A
+    grown = A + toks(100, 32)
+    assert ask(steps, grown + question(6, 2), 430, [435], [5]).reused == 330
+    assert cache.index.counts["retired"] == 1 and cache.index.lru_order()[0] is end_A
+    assert ask(steps, A + question(5, 3), 330, [334], [4]).path == "hit"  # still there; read, recent again
+    assert cache.index.lru_order()[-1] is end_A
+    page = A[:200] + toks(150, 33)  # a new page after A's first 200 tokens: restores 128, plants its fork at 192
+    a = ask(steps, page + question(6, 4), 350, [355], [5])
+    assert a.reused == 128 and cache.stats["forks"] == 1
+    mine = {c.pos: c.spare for c in cache.index.lru_order() if c.group.ids[:350].tolist() == page}
+    assert mine[192] and not any(v for pos, v in mine.items() if pos != 192), mine
+    assert cache.index.counts["retired"] == 1  # a fork restored (inside A's group) is not retired
+
+
 def test_state_larger_than_budget_still_answers():
     big = toks(900, 5)  # K/V of [0, 896) alone is 1.75 MiB: nothing of it can be kept
     steps = make_steps(mb=1, host_mb=0)  # the default cold_ok declines it: it runs plain, nothing planted

@@ -5,7 +5,9 @@ A *group* is what one row planted: its state tokens ``ids[0:p)`` and one payload
 with its own payload (recurrent states, conv tails, ...). The index answers "the deepest checkpoint whose
 tokens equal this row's tokens", keeps an LRU order over checkpoints, counts bytes (every checkpoint, plus
 each live group once) and evicts least recently used checkpoints down to a budget; a group goes with its
-last checkpoint.
+last checkpoint. Two corrections to plain recency, both measured on the agent trace (bench/step_sim.py, bench/README
+"What the cache keeps"): a state's end that a row grew past is `retire`d to the eviction end, and a checkpoint planted
+at a fork point gets one more lap of the LRU (`add_checkpoint(fork=True)`).
 
 Two tiers: the device (``budget_bytes``) and the host (``host_budget_bytes``; 0: none). A checkpoint the device
 budget cannot keep moves to the host (``demoted``) when it fits there, else it is dropped; the host drops by its own
@@ -69,6 +71,7 @@ class Checkpoint:
     route: int = 0
     used: int = field(default=0, init=False)  # recency tick (larger = more recent); the index sets it
     tier: int = field(default=0, init=False)  # DEVICE or HOST: where its payload is
+    spare: bool = field(default=False, init=False)  # a fork point's: eviction passes over it once (`add_checkpoint`)
 
     def __repr__(self) -> str:
         return f"Checkpoint(pos={self.pos}, route={self.route}, nbytes={self.nbytes}, tier={TIERS[self.tier]})"
@@ -130,9 +133,10 @@ class CheckpointIndex:
         self._pins: dict[Checkpoint, int] = {}
         self._prefix: dict[int, list[Group]] = {}  # prefix hash (shared_depth) -> live groups having it
         # evictions by tier and reason: demoted (device -> host), dropped_device (no host room, or no host tier),
-        # dropped_host (host LRU), replaced (a new checkpoint of the same tokens); promoted (host -> device)
+        # dropped_host (host LRU), replaced (a new checkpoint of the same tokens); promoted (host -> device);
+        # retired (a grown-past state's end sent to the eviction end), spared (a fork point's extra lap)
         self.counts = {"demoted": 0, "dropped_device": 0, "dropped_host": 0, "replaced": 0, "promoted": 0,
-                       "pinned_passed": 0}
+                       "pinned_passed": 0, "retired": 0, "spared": 0}
         self.version = 0  # bumped by every change that can change what `lookup` returns (see `lookup`)
         self._groups: dict[Group, None] = {}  # live groups, insertion-ordered
         self._lru: OrderedDict[Checkpoint, None] = OrderedDict()  # least recent first
@@ -247,9 +251,13 @@ class CheckpointIndex:
         self._bytes += g.nbytes
         return g
 
-    def add_checkpoint(self, group: Group, pos: int, payload: object, nbytes: int, route: int = 0) -> Checkpoint:
+    def add_checkpoint(self, group: Group, pos: int, payload: object, nbytes: int, route: int = 0,
+                       fork: bool = False) -> Checkpoint:
         """A checkpoint at ``pos`` of a live group, on the device tier, most recently used. One already present with
-        the same (pos, tokens, route) is replaced: dropped, its bytes (and its group's, if that was its last) freed."""
+        the same (pos, tokens, route) is replaced: dropped, its bytes (and its group's, if that was its last) freed.
+        ``fork``: planted at a fork point (`fork_at`: where rows' tokens leave a cached state, the prefix the next new
+        page after the same history reads, often seconds later): eviction passes over it once, moving it to the most
+        recent end of its tier instead (one more lap of the LRU; counted as ``spared``)."""
         if group not in self._groups:
             raise ValueError("group is not live (evicted, replaced away or cleared)")
         if group.tier != DEVICE:
@@ -261,6 +269,7 @@ class CheckpointIndex:
         bucket = self._buckets.setdefault((pos, self._fingerprint(group.tokens, pos)), [])
         old = next((c for c in bucket if c.route == route and _head(c.group.tokens, pos) == head), None)
         c = Checkpoint(group, pos, payload, int(nbytes), int(route))
+        c.spare = bool(fork)
         self.version += 1
         bucket.append(c)
         group.ckpts.append(c)
@@ -287,6 +296,18 @@ class CheckpointIndex:
             self._stamp(ckpt)
             if self.observer is not None:
                 self.observer("hit", ckpt)
+
+    def retire(self, ckpt: Checkpoint) -> None:
+        """A row restored ``ckpt`` and planted a longer state along the same tokens (a state grown by an action): if
+        ``ckpt`` is its group's end, the state the row grew past, it becomes the least recently used of its tier, the
+        first to go when room is needed (it stays usable until then; a later row that reads it makes it recent again).
+        A checkpoint inside its group (a fork point, a stride position: other states' prefixes) or no longer live is
+        left as it is."""
+        lru = self._lru if ckpt.tier == DEVICE else self._host_lru
+        if ckpt in lru and ckpt.pos == len(ckpt.group.ids):
+            lru.move_to_end(ckpt, last=False)
+            ckpt.spare = False
+            self.counts["retired"] += 1
 
     def pin(self, ckpt: Checkpoint) -> None:
         """A row already taken will read ``ckpt``: eviction passes over it while it can (until ``unpin``)."""
@@ -389,13 +410,18 @@ class CheckpointIndex:
         c.used = self._clock
 
     def _victim(self, lru: OrderedDict) -> Checkpoint:
-        """The least recently used checkpoint of a tier that is not pinned, else the least recently used."""
-        if self._pins:
-            for c in lru:
-                if c not in self._pins:
-                    return c
-            self.counts["pinned_passed"] += 1
-        return next(iter(lru))
+        """The least recently used checkpoint of a tier that is not pinned, else the least recently used; one planted
+        at a fork point (`spare`) is passed over once: it moves to the most recent end and the next is asked."""
+        while True:
+            c = next((c for c in lru if c not in self._pins), None) if self._pins else next(iter(lru))
+            if c is None:
+                self.counts["pinned_passed"] += 1
+                return next(iter(lru))
+            if not c.spare:
+                return c
+            c.spare = False
+            lru.move_to_end(c)
+            self.counts["spared"] += 1
 
     def _down(self, payload: object) -> tuple[bool, object]:
         """(moved, the host payload): without a tiers object any payload moves as it is (None included)."""

@@ -131,10 +131,11 @@ class StateCache:
         """The route a row runs with before its router has spoken: its deepest checkpoint's, else the last row's."""
         return best.route if best is not None else self.last_route
 
-    def plant(self, ids, p: int, snaps, route: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def plant(self, ids, p: int, snaps, route: int, kv: tuple[torch.Tensor, torch.Tensor], forks=()) -> None:
         """A group over ids[:p] (index keys: an image row's RowImages.keys) with its checkpoints (pos, conv, S,
         feature sum | None), planted under `route`, sharing the K/V [A, p, Hkv, D] of `kv`; the tensors are kept as
-        they are (the caller hands over tensors nothing writes again)."""
+        they are (the caller hands over tensors nothing writes again). Checkpoints at `forks` (`fork_point`) are
+        planted as fork points (CheckpointIndex.add_checkpoint)."""
         K, V = kv
         if K.shape[1] != p or V.shape[1] != p:
             raise ValueError(f"K/V of {K.shape[1]} positions for a state planted up to {p}")
@@ -142,7 +143,7 @@ class StateCache:
         group = self.index.add_group(ids[:p], (K, V, self._serial), _nbytes(K, V))
         for pos, conv, S, fsum in snaps:
             parts = (conv, S) if fsum is None else (conv, S, fsum)
-            self.index.add_checkpoint(group, pos, parts, _nbytes(*parts), route=route)
+            self.index.add_checkpoint(group, pos, parts, _nbytes(*parts), route=route, fork=pos in forks)
             self.stats["ckpts_made"] += 1
 
     def clear(self) -> None:

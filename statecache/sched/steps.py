@@ -34,7 +34,9 @@ for it waits, and takes the checkpoint when it is planted (usually a hit). Steps
 (a pipelined caller); `done` must see them in the order they were planned.
 
 The plan is plain data (`Step`, `Piece`); `done(step)` advances each piece, tells the view which checkpoints now
-exist and returns the rows it finished (`Finished`: path, tokens reused and computed). Knows nothing of tensors,
+exist (and which of them are fork points) and which restored checkpoint a finished row continued past (`retire`: a
+grown state's old end is the first to go), and returns the rows it finished (`Finished`: path, tokens reused and
+computed). Knows nothing of tensors,
 the model, Redis or the worker; no torch import.
 """
 
@@ -266,10 +268,13 @@ class Scheduler:
             if pc.plants:
                 for pos in pc.plants:
                     job.unplanted.remove(pos)
-                self.view.planted(pc.rid, job.row.ids, job.p, pc.plants, last=not job.unplanted, route=job.row.route)
+                self.view.planted(pc.rid, job.row.ids, job.p, pc.plants, last=not job.unplanted, route=job.row.route,
+                                  forks=job.row.forks)
                 if not job.unplanted:
                     self._planting.pop(pc.rid, None)
             if pc.answer:
+                if job.path == PARTIAL:  # it grew the restored state (or continued a prefix): the view decides
+                    self.view.retire(job.restore)
                 del self._jobs[pc.rid]
                 self._planting.pop(pc.rid, None)
                 self._declined.discard(pc.rid)

@@ -38,10 +38,15 @@ class CacheView(Protocol):
 
     def touch(self, found: Found) -> None: ...
 
+    def retire(self, found: Found) -> None:
+        """A row restored `found` and has planted its own longer state along the same tokens
+        (statecache.cache.index.CheckpointIndex.retire decides what that changes)."""
+
     def planted(self, state: Hashable, ids: Sequence[int], p: int, positions: Sequence[int], last: bool,
-                route: int | None = None) -> None:
+                route: int | None = None, forks: Sequence[int] = ()) -> None:
         """Checkpoints at `positions` of the state `ids[:p]` that `state` (a row id) is computing now exist; `last`:
-        its final ones (no more will come for this state); `route`: the route it runs with (specialists)."""
+        its final ones (no more will come for this state); `route`: the route it runs with (specialists); `forks`:
+        the row's fork points (those of `positions` among them are planted as such)."""
 
     def state_bytes(self, state_len: int) -> int: ...
 
@@ -76,13 +81,16 @@ class IndexView:
     def touch(self, found) -> None:
         self.index.touch(found)
 
-    def planted(self, state, ids, p: int, positions, last: bool, route: int | None = None) -> None:
+    def retire(self, found) -> None:
+        self.index.retire(found)
+
+    def planted(self, state, ids, p: int, positions, last: bool, route: int | None = None, forks=()) -> None:
         group = self._open.get(state)
         if group is None or group not in self.index._groups:  # new, or evicted whole while it was still planting
             group = self.index.add_group(list(ids[:p]), None, p * self.kv_bytes_per_token)
             self._open[state] = group
         for pos in positions:
-            self.index.add_checkpoint(group, pos, None, self.ckpt_bytes, route=route or 0)
+            self.index.add_checkpoint(group, pos, None, self.ckpt_bytes, route=route or 0, fork=pos in forks)
         if last:
             self._open.pop(state, None)
         self.evicted += len(self.index.evict())
