@@ -9,7 +9,8 @@ by an action, 75%, or a new page replaces it; each agent sends its next row when
 agents count replays the very rows load_bench sends for it with the same --seed (`trace_seed`, `token_range`), so a
 run compares with load_bench's on the same trace. Token-exact over the real checkpoint index (statecache.sched.IndexView
 over statecache.cache.index.CheckpointIndex, the 9B shape's bytes, a 66 GiB budget as the worker had in s11_run2); the
-steps plant fork points as the engine does (statecache.cache.index.fork_at: where a row's tokens leave a cached state).
+steps plant fork points as the engine does (statecache.cache.index.CheckpointIndex.fork_point: where a row's tokens leave a
+cached state).
 
 The cost model (`fit`): milliseconds of one forward's graph = a + b * tokens + c * sequences + d * attention pairs
 (each sequence's query-key pairs, L * (start + L / 2)), least squares over the graph replays measured on the H200:
@@ -49,7 +50,6 @@ for p in (ROOT, ROOT / "bench"):
 from load_bench import AgentTrace, token_range, trace_seed  # noqa: E402
 
 from statecache.cache.budget import checkpoint_bytes, kv_bytes  # noqa: E402
-from statecache.cache.index import fork_at  # noqa: E402
 from statecache.dev.checkpoints import real_shape  # noqa: E402
 from statecache.model.config import parse_config  # noqa: E402
 from statecache.sched import IndexView, Layout, Row, Scheduler, attn_pairs  # noqa: E402
@@ -230,8 +230,7 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
             rows[r.rid] = r
             p = layout.end(r.state_len)
             found = view.lookup(r.ids, p)  # as statecache.step.Steps.add: where its tokens leave a cached state
-            x = view.index.shared_depth(r.ids, p) if len(view.index) else 0
-            fork = fork_at(x, p, found.pos if found is not None else 0)
+            fork = view.index.fork_point(r.ids, p, found.pos if found is not None else 0)[1]
             r.forks = (fork,) if fork else ()
             sched.add(r, found)
         return sched.plan()

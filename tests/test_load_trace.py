@@ -120,7 +120,7 @@ def test_padding_reads_the_runner_counts():
 def test_the_simulator_plants_fork_points_as_the_engine_does():
     """bench/step_sim.py replays load_bench's trace through the real scheduler; a new page after the same goal and
     steps restores the agent's shared head from the checkpoint planted where an earlier new page left it (the fork
-    point, statecache.cache.index.fork_at), as the engine does, so hardly a row is cold beside the agents' first
+    point, statecache.cache.index.CheckpointIndex.fork_point), as the engine does, so hardly a row is cold beside the agents' first
     visits (here 8 of 1,578 rows; without the fork points 134 of 1,255)."""
     _bench()
     spec = importlib.util.spec_from_file_location("step_sim", ROOT / "bench" / "step_sim.py")

@@ -103,7 +103,7 @@ def fork_at(x: int, p: int, c0: int) -> int:
     """The fork point of a row whose state ends at p, restoring c0, that shares [0, x) with a cached group
     (`CheckpointIndex.shared_depth`): x when c0 < x < p, else 0 (p is planted anyway). [c0, x) is recomputed though it
     was cached; a checkpoint planted at x lets the next row sharing it (a new page after the same goal and steps)
-    reuse it. The rule the engine (statecache.cache.store.StateCache.fork_point) and bench/step_sim.py share."""
+    reuse it (`CheckpointIndex.fork_point` asks it)."""
     return x if c0 < x < p else 0
 
 
@@ -228,6 +228,12 @@ class CheckpointIndex:
                 if np.array_equal(g.ids[:k], row[:k]):
                     return k
         return 0
+
+    def fork_point(self, ids: object, p: int, c0: int) -> tuple[int, int]:
+        """(x, fork) for a row whose state ends at p, restoring c0: x its `shared_depth` (0 when nothing is cached),
+        fork its fork point by `fork_at` (0: none). What the engine (StateCache.fork_point) and bench/step_sim.py ask."""
+        x = self.shared_depth(ids, p) if len(self) else 0
+        return x, fork_at(x, p, c0)
 
     def _hashes(self, a: np.ndarray, upto: int) -> list[int]:
         """Chained hashes of a[:k] for k = align, 2 align, ... <= upto."""

@@ -33,7 +33,7 @@ import torch
 
 from statecache.cache.budget import CPU_DEFAULT_MB, MIB, host_available_bytes, host_budget
 from statecache.cache.config import CacheSettings
-from statecache.cache.index import DEVICE, Checkpoint, CheckpointIndex, fork_at, plan_chunks, state_end
+from statecache.cache.index import DEVICE, Checkpoint, CheckpointIndex, plan_chunks, state_end
 from statecache.cache.tiers import HostPool
 
 log = logging.getLogger("statecache.cache.store")
@@ -102,10 +102,9 @@ class StateCache:
         when it lies past the restored position c0 (else 0): the prefix [c0, x) is recomputed though it was cached,
         and counted as `tokens_lost`; planting a checkpoint at x lets the next row sharing it reuse it. Asked once per
         row that runs, before it plants."""
-        x = self.index.shared_depth(keys, p) if len(self.index) else 0
+        x, fork = self.index.fork_point(keys, p, c0)
         if x > c0:
             self.stats["tokens_lost"] += x - c0
-        fork = fork_at(x, p, c0)
         self.stats["forks"] += bool(fork)
         return fork
 
