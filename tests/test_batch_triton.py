@@ -51,13 +51,9 @@ def test_conv_batch(lens, pad):
     assert y[cu[-1]:].abs().max().item() == 0 if pad else True
 
 
-SPLIT = [pytest.param(False, id="one-kernel"), pytest.param(True, id="split")]
-
-
-@pytest.mark.parametrize("split", SPLIT)
 @pytest.mark.parametrize("lens,pad", LENS)
 @pytest.mark.parametrize("Hk,Hv", [(2, 4), (2, 2)])
-def test_delta_batch(lens, pad, Hk, Hv, split):
+def test_delta_batch(lens, pad, Hk, Hv):
     g = torch.Generator().manual_seed(2)
     cu, T = _cu(lens, pad)
     Dk, Dv = (64 if CUDA else 16), 32  # on CUDA 33..64-token launches need 64-wide key slices (delta_batch refuses less)
@@ -67,7 +63,7 @@ def test_delta_batch(lens, pad, Hk, Hv, split):
     beta = torch.rand(T, Hv, generator=g).to(DEV)
     S = torch.randn(len(lens), Hv, Dk, Dv, generator=g).to(DEV)
     S_ref = S.clone()
-    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), dot_precision="ieee", split=split)
+    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), dot_precision="ieee")
     ref = REF.delta(q, k, v, gate, beta, S_ref, cu, max(lens), lens)
     assert (o - ref).abs().max().item() < TOL
     assert (S - S_ref).abs().max().item() < TOL
@@ -75,12 +71,10 @@ def test_delta_batch(lens, pad, Hk, Hv, split):
         assert o[cu[-1]:].abs().max().item() == 0
 
 
-@pytest.mark.parametrize("split", SPLIT)
-def test_delta_batch_snapshots(split):
-    """States kept inside sequences (at any position, in any slot order: the one-kernel form cuts its chunks there,
-    the split form takes them inside its chunks) equal the state of a run over the sequence's first tokens only;
-    sequences without snapshots are as without them, the outputs and final states of the others as without them
-    within rounding; the eager loop's snapshots agree."""
+def test_delta_batch_snapshots():
+    """States kept inside sequences (at any position, in any slot order: the chunks are cut there) equal the state of
+    a run over the sequence's first tokens only; sequences without snapshots are as without them, the outputs and
+    final states of the others as without them within rounding; the eager loop's snapshots agree."""
     from statecache.run.batch import Snaps
 
     g = torch.Generator().manual_seed(5)
@@ -101,9 +95,9 @@ def test_delta_batch_snapshots(split):
     snap = torch.full((6, Hv, Dk, Dv), 7.0, device=DEV)
     S = S0.clone()
     o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), snap=snap, snap_at=at.to(DEV),
-                               dot_precision="ieee", split=split)
+                               dot_precision="ieee")
     S_plain = S0.clone()
-    o_plain = gdn_triton.delta_batch(q, k, v, gate, beta, S_plain, cu, max(lens), dot_precision="ieee", split=split)
+    o_plain = gdn_triton.delta_batch(q, k, v, gate, beta, S_plain, cu, max(lens), dot_precision="ieee")
     assert (o - o_plain).abs().max().item() < TOL and (S - S_plain).abs().max().item() < TOL
     plain = slice(int(cu[2]), int(cu[3]))  # the sequence without snapshots: run exactly as without them
     assert (o[plain] - o_plain[plain]).abs().max().item() == 0 and (S[2] - S_plain[2]).abs().max().item() == 0
@@ -119,37 +113,6 @@ def test_delta_batch_snapshots(split):
             assert (snap[slot] - want[0]).abs().max().item() < TOL, (b, c)
             assert (ref_snap[slot] - want[0]).abs().max().item() < TOL, (b, c)
     assert (snap[5] == 7.0).all()  # a slot nobody asked for is left alone
-
-
-@pytest.mark.parametrize("split", SPLIT)
-def test_delta_batch_wide_keys(split):
-    """Key heads of 128 (the real models'; the split form holds such a state slice as two tiles): outputs, final states
-    and snapshots inside a chunk, at a chunk's end and in a later sequence against the eager loop."""
-    g = torch.Generator().manual_seed(3)
-    lens, Hk, Hv, Dk, Dv = [130, 7, 64], 1, 2, 128, 32
-    cu, T = _cu(lens, 4)
-    q, k = (torch.randn(T, Hk, Dk, generator=g).to(DEV) for _ in range(2))
-    v = torch.randn(T, Hv, Dv, generator=g).to(DEV)
-    gate = (-torch.rand(T, Hv, generator=g) * 0.5).to(DEV)
-    beta = torch.rand(T, Hv, generator=g).to(DEV)
-    S0 = torch.randn(len(lens), Hv, Dk, Dv, generator=g).to(DEV)
-    at = torch.zeros(len(lens), 3, 2, dtype=torch.long)
-    at[:, :, 1] = -1
-    want = [(0, 100, 0), (0, 64, 1), (2, 64, 2)]  # (sequence, tokens, slot)
-    for m, (b, c, slot) in enumerate(want):
-        at[b, m % 2] = torch.tensor([c, slot])
-    snap = torch.full((4, Hv, Dk, Dv), 7.0, device=DEV)
-    S, S_ref = S0.clone(), S0.clone()
-    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), snap=snap, snap_at=at.to(DEV),
-                               dot_precision="ieee", split=split)
-    ref = REF.delta(q, k, v, gate, beta, S_ref, cu, max(lens), lens)
-    assert (o - ref).abs().max().item() < TOL and (S - S_ref).abs().max().item() < TOL
-    for b, c, slot in want:
-        s0, alone = int(cu[b]), S0[b : b + 1].clone()
-        REF.delta(q[s0 : s0 + c], k[s0 : s0 + c], v[s0 : s0 + c], gate[s0 : s0 + c], beta[s0 : s0 + c], alone,
-                  torch.tensor([0, c]), c, [c])
-        assert (snap[slot] - alone[0]).abs().max().item() < TOL, (b, c)
-    assert (snap[3] == 7.0).all()
 
 
 def _sourced_inputs(lens, pad, seed):
@@ -171,24 +134,21 @@ def _sourced_inputs(lens, pad, seed):
     return cu, T, B, (q, k, v, gate, beta), own, S, off
 
 
-@pytest.mark.parametrize("split", SPLIT)
 @pytest.mark.parametrize("lens,pad", LENS)
-def test_delta_batch_sources(lens, pad, split):
+def test_delta_batch_sources(lens, pad):
     """Sequences continuing from states in their own tensors (src_off: nothing copied into the slots first) give what
-    the same states copied into the slots give; keep=0 leaves a slot's final state unwritten (the one-kernel form
-    still writes the states between a longer sequence's chunks there; the split form leaves the slot as it was),
-    keep=1 writes it; snapshots are kept either way."""
+    the same states copied into the slots give; keep=0 leaves a slot's final state unwritten (a sequence longer than a
+    chunk still writes the states between its chunks there), keep=1 writes it; snapshots are kept either way."""
     cu, T, B, (q, k, v, gate, beta), own, S, off = _sourced_inputs(lens, pad, 9)
     S_copy = torch.stack(own)
-    o_copy = gdn_triton.delta_batch(q, k, v, gate, beta, S_copy, cu, max(lens), dot_precision="ieee", split=split)
+    o_copy = gdn_triton.delta_batch(q, k, v, gate, beta, S_copy, cu, max(lens), dot_precision="ieee")
     keep = torch.tensor([b % 2 for b in range(B)], dtype=torch.long, device=DEV)
     before = [x.clone() for x in own]
-    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), src_off=off, keep=keep, dot_precision="ieee",
-                               split=split)
+    o = gdn_triton.delta_batch(q, k, v, gate, beta, S, cu, max(lens), src_off=off, keep=keep, dot_precision="ieee")
     assert (o - o_copy).abs().max().item() < TOL
     for b, n in enumerate(lens):
         assert (own[b] - before[b]).abs().max().item() == 0  # the sources are only read
-        if n == 0 or (not keep[b] and (n <= 64 or split)):
+        if n == 0 or (not keep[b] and n <= 64):
             assert (S[b] == 5.0).all(), b  # nothing ran, or its one chunk's end state is not wanted
         elif keep[b]:
             assert (S[b] - S_copy[b]).abs().max().item() < TOL, b

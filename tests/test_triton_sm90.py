@@ -40,24 +40,6 @@ def delta_kernel(varlen, nsnap=0, src=False, bv=32, num_warps=4):
     assert _compile(_mods()[0]._delta_chunk_kernel, names, types, consts, num_warps).asm["ptx"]
 
 
-def split_kernels(nsnap=0, src=False, bv=32, num_warps=4):
-    """The split form's two phases (statecache.kernels.gdn._delta_split) at the 9B shape."""
-    gdn = _mods()[0]
-    names = ["q_ptr", "k_ptr", "g_ptr", "b_ptr", "w_ptr", "cu_ptr", "B", "sq_t", "sq_h", "sq_d", "sk_t", "sk_h", "sk_d",
-             "sg_t", "sg_h", "sb_t", "sb_h", "sw_m", "sw_c", "sw_h", "scale"]
-    types = ["*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*i64", "i32"] + ["i32"] * 13 + ["fp32"]
-    consts = dict(GROUP=2, DK=128, BK=64, BT=64, LOG_BT=6, BB=64, DOT="tf32", RAW_QK=True)
-    assert _compile(gdn._split_prep_kernel, names, types, consts, num_warps).asm["ptx"]
-    names = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "b_ptr", "w_ptr", "s_ptr", "o_ptr", "cu_ptr", "B", "sq_t", "sq_h",
-             "sq_d", "sk_t", "sk_h", "sk_d", "sv_t", "sv_h", "sv_d", "sg_t", "sg_h", "sb_t", "sb_h", "sw_m", "sw_c",
-             "sw_h", "ss_b", "ss_h", "ss_k", "ss_v", "so_t", "so_h", "so_d", "scale", "snap_ptr", "at_ptr", "ss_n",
-             "soff_ptr", "keep_ptr"]
-    types = (["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*fp32", "*bf16", "*i64", "i32"] + ["i32"] * 23
-             + ["fp32", "*fp32", "*i64", "i32", "*i64", "*i64"])
-    consts = dict(GROUP=2, BK=64, TWO=True, BT=64, BV=bv, BB=64, DOT="tf32", NSNAP=nsnap, SRC=src)
-    assert _compile(gdn._split_pass_kernel, names, types, consts, num_warps).asm["ptx"]
-
-
 def conv_kernel(varlen):
     names = ["x", "sx", "w", "tail", "y", "sy", "real_ptr", "L", "C", "cu_ptr", "s_tail"]
     types = ["*bf16", "i32", "*bf16", "*bf16", "*bf16", "i32", "*i64", "i32", "i32", "*i64", "i32"]
@@ -100,8 +82,6 @@ JOBS = [("delta", delta_kernel, dict(varlen=True)), ("delta", delta_kernel, dict
         ("delta from sources, snapshots", delta_kernel, dict(varlen=True, nsnap=3, src=True)),
         ("delta from sources, 64-wide values", delta_kernel, dict(varlen=True, src=True, bv=64)),
         ("delta from sources, 128-wide values", delta_kernel, dict(varlen=True, src=True, bv=128, num_warps=8)),
-        ("delta split", split_kernels, dict()),
-        ("delta split from sources, snapshots", split_kernels, dict(nsnap=3, src=True)),
         ("conv", conv_kernel, dict(varlen=True)), ("conv", conv_kernel, dict(varlen=False)),
         ("span", span_batch_kernel, dict(direct=True)), ("span", span_batch_kernel, dict(direct=False))]
 

@@ -46,16 +46,6 @@ at chunk ends inside the sequence (snapshots). A sequence's first chunk may read
 element offset from its slot: a checkpoint's own tensor, never copied) and its last chunk may leave the final
 state unwritten (a question's, which nobody reads).
 
-`delta_batch(..., split=True)` is the split form of the same maths, for sequences of several chunks: along a sequence
-the one-kernel form redoes each chunk's triangular solve in every value slice's program, on the chain of chunks that
-bounds a step. The split form computes every chunk's (I + A)^-1 and its queries' decayed scores once, all chunks of
-all sequences at once (`_split_prep_kernel`, a float32 workspace of two [T, T] matrices a chunk and value head),
-then a pass per (value head, value slice, sequence) carries the state in registers through the chunks with five
-small products a chunk (`_split_pass_kernel`). Its chunks are the sequence's 64-token blocks whatever the snapshots:
-a state inside a chunk comes from the chunk's u over the tokens before it (u of a token depends only on the tokens up
-to it). A final state not kept (keep 0) leaves the slot as it was. Which form a forward takes is
-statecache.run.batch.delta_knobs's decision.
-
 What it does not know: several chunks of one sequence in one `delta_chunk` call (chain calls for more),
 initial-state-free starts (pass zeros), backward passes, gates > 0 (exp would overflow, as in the reference).
 Its speed and its precision with tf32 are only known from the GPU check (bench/gpu_check_gdn.py); the CPU tests
@@ -254,190 +244,6 @@ def _delta_chunk(
     tl.store(o_ptr + t[:, None] * so_t + h * so_h + dv[None, :] * so_d, o.to(o_ptr.dtype.element_ty), mask=real[:, None])
 
 
-@triton.jit
-def _chunks_before(cu_ptr, B, BT: tl.constexpr, BB: tl.constexpr):
-    """Per sequence of the packed batch (lanes [BB], BB >= B; lanes past B: 0): its chunks of BT tokens and the running
-    sum of them (chunk c of the batch belongs to the sequence whose running sum first exceeds c)."""
-    ib = tl.arange(0, BB)
-    lo = tl.load(cu_ptr + ib, mask=ib < B, other=0)
-    hi = tl.load(cu_ptr + ib + 1, mask=ib < B, other=0)
-    nch = (hi - lo + BT - 1) // BT  # [BB]
-    return ib, lo, hi, nch, tl.cumsum(nch, 0)
-
-
-@triton.jit
-def _split_prep_kernel(
-    q_ptr, k_ptr, g_ptr, b_ptr, w_ptr, cu_ptr, B,
-    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sg_t, sg_h, sb_t, sb_h, sw_m, sw_c, sw_h,
-    scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG_BT: tl.constexpr,
-    BB: tl.constexpr, DOT: tl.constexpr, RAW_QK: tl.constexpr,
-):
-    """The split form's first phase: program (c, h) takes chunk c of the packed batch (sequence b's chunks follow
-    sequence b - 1's; past the last chunk it does nothing) and value head h, and writes the chunk's two [T, T] float32
-    matrices that do not depend on the state: w[0, c, h] = (I + A)^-1 (A as in `_delta_chunk`: the keys' decayed,
-    beta-scaled strictly lower products) and w[1, c, h] = the queries' decayed causal scores against the keys
-    (normalised, scaled). The inverse is `_delta_chunk`'s block doubling carried to the top level."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
-    ib, lo, hi, nch, cum = _chunks_before(cu_ptr, B, BT, BB)
-    b = tl.sum((cum <= c).to(tl.int32), 0)  # the sequence of chunk c (>= B: none)
-    mine = ib == b
-    j = c - tl.sum(tl.where(mine, cum - nch, 0), 0)  # its index within the sequence
-    bos = tl.sum(tl.where(mine, lo, 0), 0)
-    L = tl.minimum(tl.sum(tl.where(mine, hi - lo, 0), 0) - j * BT, BT)
-    if (b < B) & (L > 0):
-        t = tl.arange(0, BT)
-        real = t < L
-        rows = bos + j * BT + t  # [T] packed token rows
-        ck = tl.arange(0, BK)
-        g = tl.load(g_ptr + rows * sg_t + h * sg_h, mask=real, other=0.0).to(tl.float32)  # [T]
-        beta = tl.load(b_ptr + rows * sb_t + h * sb_h, mask=real, other=0.0).to(tl.float32)  # [T]
-        cg = tl.cumsum(g, 0) * LOG2E  # [T]
-        KK = tl.zeros([BT, BT], dtype=tl.float32)
-        QK = tl.zeros([BT, BT], dtype=tl.float32)
-        k_ss = tl.zeros([BT], dtype=tl.float32)
-        q_ss = tl.zeros([BT], dtype=tl.float32)
-        for i in range(DK // BK):
-            kc = tl.load(k_ptr + rows[:, None] * sk_t + hk * sk_h + (i * BK + ck)[None, :] * sk_d,
-                         mask=real[:, None], other=0.0)  # [T, BK]
-            qc = tl.load(q_ptr + rows[:, None] * sq_t + hk * sq_h + (i * BK + ck)[None, :] * sq_d,
-                         mask=real[:, None], other=0.0)  # [T, BK]
-            kf, qf = kc.to(tl.float32), qc.to(tl.float32)
-            k_ss += tl.sum(kf * kf, 1)
-            q_ss += tl.sum(qf * qf, 1)
-            if RAW_QK:  # 16-bit rows: exact products, fp32 sums
-                KK = tl.dot(kc, tl.trans(kc), KK)
-                QK = tl.dot(qc, tl.trans(kc), QK)
-            else:
-                KK = tl.dot(kf, tl.trans(kf), KK, input_precision=DOT)
-                QK = tl.dot(qf, tl.trans(kf), QK, input_precision=DOT)
-        k_rs = tl.rsqrt(k_ss + 1e-6)  # [T]
-        q_rs = tl.rsqrt(q_ss + 1e-6) * scale  # [T]
-        strict = t[:, None] > t[None, :]
-        A = KK * (beta * k_rs)[:, None] * k_rs[None, :] * tl.exp2(tl.where(strict, cg[:, None] - cg[None, :], float("-inf")))
-        D = tl.where(t[:, None] == t[None, :], 1.0, 0.0) - tl.where(_lower_left(t, 1), A, 0.0)  # [T, T] 2x2 blocks
-        for lvl in tl.static_range(1, LOG_BT):  # up to the whole chunk: D = (I + A)^-1
-            lo_b = tl.where(_lower_left(t, 1 << lvl), A, 0.0)
-            D = D - tl.dot(tl.dot(D, lo_b, input_precision=DOT), D, input_precision=DOT)
-        low = t[:, None] >= t[None, :]
-        att = QK * q_rs[:, None] * k_rs[None, :] * tl.exp2(tl.where(low, cg[:, None] - cg[None, :], float("-inf")))
-        out = w_ptr + c * sw_c + h * sw_h + t[:, None] * BT + t[None, :]  # [T, T], rows of BT
-        tl.store(out, D)
-        tl.store(out + sw_m, att)
-
-
-@triton.jit
-def _split_pass_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, s_ptr, o_ptr, cu_ptr, B,
-    sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sv_t, sv_h, sv_d, sg_t, sg_h, sb_t, sb_h, sw_m, sw_c, sw_h,
-    ss_b, ss_h, ss_k, ss_v, so_t, so_h, so_d, scale, snap_ptr, at_ptr, ss_n, soff_ptr, keep_ptr,
-    GROUP: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    BB: tl.constexpr, DOT: tl.constexpr, NSNAP: tl.constexpr, SRC: tl.constexpr,
-):
-    """The split form's second phase: program (h, value slice, b) carries sequence b's state slice ([DK, BV] in
-    registers, as one [BK, BV] tile or, with TWO, two: DK = BK or 2 BK) through its chunks in order, each from the
-    first phase's matrices: u = (I + A)^-1 beta (v - e^cg kn S), o = e^cg qn S + att u,
-    S <- e^g_last S + (kn e^(g_last - cg))^T u. A snapshot anywhere in a chunk is the same update over the chunk's
-    tokens before it (u of a token depends on the tokens up to it only). The final state goes to slot b unless keep[b]
-    is 0 (the slot is then left as it was)."""
-    h = tl.program_id(0)
-    hk = h // GROUP
-    b = tl.program_id(2)
-    dv = tl.program_id(1) * BV + tl.arange(0, BV)  # [BV]
-    kk = tl.arange(0, BK)
-    t = tl.arange(0, BT)
-    bos = tl.load(cu_ptr + b)
-    n = tl.load(cu_ptr + b + 1) - bos
-    ib, lo, hi, nch, cum = _chunks_before(cu_ptr, B, BT, BB)
-    first = tl.sum(tl.where(ib < b, nch, 0), 0)  # the batch index of its first chunk
-    slot = s_ptr + b * ss_b + h * ss_h + kk[:, None] * ss_k + dv[None, :] * ss_v  # [BK, BV] (first key half)
-    if SRC:
-        soff = tl.multiple_of(tl.load(soff_ptr + b), 16)
-        keep = tl.load(keep_ptr + b)
-    else:
-        soff = 0
-        keep = 1
-    S0 = tl.load(slot + soff)  # [BK, BV] float32
-    if TWO:
-        S1 = tl.load(slot + soff + BK * ss_k)
-    else:
-        S1 = S0
-    at_b = at_ptr + b * 2 * NSNAP
-    x0, snap0 = _snap_slot(at_b, 0, NSNAP, snap_ptr, ss_n)
-    x1, snap1 = _snap_slot(at_b, 1, NSNAP, snap_ptr, ss_n)
-    x2, snap2 = _snap_slot(at_b, 2, NSNAP, snap_ptr, ss_n)
-    sn = h * ss_h + kk[:, None] * ss_k + dv[None, :] * ss_v  # [BK, BV] within a snapshot slot
-    for j in range(0, tl.cdiv(n, BT)):
-        c0 = j * BT
-        Lc = tl.minimum(n - c0, BT)
-        real = t < Lc
-        rows = bos + c0 + t  # [T]
-        g = tl.load(g_ptr + rows * sg_t + h * sg_h, mask=real, other=0.0).to(tl.float32)
-        beta = tl.load(b_ptr + rows * sb_t + h * sb_h, mask=real, other=0.0).to(tl.float32)
-        cg = tl.cumsum(g, 0) * LOG2E  # [T]
-        eg = tl.exp2(cg)
-        g_last = tl.sum(tl.where(t == Lc - 1, cg, 0.0), 0)
-        # keys against the state, then u; queries after (few [T, *] tiles live at once: the state stays in registers)
-        k_rows = k_ptr + rows[:, None] * sk_t + hk * sk_h + kk[None, :] * sk_d  # [T, BK]
-        q_rows = q_ptr + rows[:, None] * sq_t + hk * sq_h + kk[None, :] * sq_d
-        kf = tl.load(k_rows, mask=real[:, None], other=0.0).to(tl.float32)  # [T, BK]
-        k_ss = tl.sum(kf * kf, 1)
-        kS = tl.dot(kf, S0, input_precision=DOT)  # [T, BV]
-        if TWO:
-            kf = tl.load(k_rows + BK * sk_d, mask=real[:, None], other=0.0).to(tl.float32)
-            k_ss += tl.sum(kf * kf, 1)
-            kS = tl.dot(kf, S1, kS, input_precision=DOT)
-        k_rs = tl.rsqrt(k_ss + 1e-6)  # [T]
-        vv = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + dv[None, :] * sv_d, mask=real[:, None], other=0.0).to(tl.float32)
-        rhs = beta[:, None] * (vv - kS * (k_rs * eg)[:, None])  # [T, BV]
-        mats = w_ptr + (first + j) * sw_c + h * sw_h + t[:, None] * BT + t[None, :]  # [T, T]
-        u = tl.dot(tl.load(mats), rhs, input_precision=DOT)  # [T, BV]
-        qf = tl.load(q_rows, mask=real[:, None], other=0.0).to(tl.float32)
-        q_ss = tl.sum(qf * qf, 1)
-        qS = tl.dot(qf, S0, input_precision=DOT)
-        if TWO:
-            qf = tl.load(q_rows + BK * sq_d, mask=real[:, None], other=0.0).to(tl.float32)
-            q_ss += tl.sum(qf * qf, 1)
-            qS = tl.dot(qf, S1, qS, input_precision=DOT)
-        q_rs = tl.rsqrt(q_ss + 1e-6) * scale
-        o = qS * (q_rs * eg)[:, None] + tl.dot(tl.load(mats + sw_m), u, input_precision=DOT)
-        tl.store(o_ptr + rows[:, None] * so_t + h * so_h + dv[None, :] * so_d, o.to(o_ptr.dtype.element_ty),
-                 mask=real[:, None])
-        if NSNAP > 0:  # states inside (or at the end of) this chunk, before the update below moves past them
-            _split_snap(x0, snap0, c0, Lc, t, cg, k_rs, u, k_rows, sk_d, ss_k, real, S0, S1, sn, BK, TWO, DOT)
-            _split_snap(x1, snap1, c0, Lc, t, cg, k_rs, u, k_rows, sk_d, ss_k, real, S0, S1, sn, BK, TWO, DOT)
-            _split_snap(x2, snap2, c0, Lc, t, cg, k_rs, u, k_rows, sk_d, ss_k, real, S0, S1, sn, BK, TWO, DOT)
-        kw = k_rs * tl.exp2(g_last - cg)  # [T] normalised keys decayed to the chunk end
-        decay = tl.exp2(g_last)
-        kf = tl.load(k_rows, mask=real[:, None], other=0.0).to(tl.float32)
-        S0 = S0 * decay + tl.dot(tl.trans(kf * kw[:, None]), u, input_precision=DOT)
-        if TWO:
-            kf = tl.load(k_rows + BK * sk_d, mask=real[:, None], other=0.0).to(tl.float32)
-            S1 = S1 * decay + tl.dot(tl.trans(kf * kw[:, None]), u, input_precision=DOT)
-    write = (tl.zeros([BK, BV], dtype=tl.int32) + keep * (n > 0).to(tl.int32)) != 0
-    tl.store(slot, S0, mask=write)
-    if TWO:
-        tl.store(slot + BK * ss_k, S1, mask=write)
-
-
-@triton.jit
-def _split_snap(x, snap, c0, Lc, t, cg, k_rs, u, k_rows, sk_d, ss_k, real, S0, S1, sn, BK: tl.constexpr,
-                TWO: tl.constexpr, DOT: tl.constexpr):
-    """Snapshot at x (the sequence's first x tokens; -1: none) when it falls in the chunk at c0 of Lc tokens: the
-    state after the chunk's first x - c0 tokens, from the state before the chunk (S0, S1), to `snap`."""
-    if (x > c0) & (x <= c0 + Lc):
-        rel = x - c0
-        cr = tl.sum(tl.where(t == rel - 1, cg, 0.0), 0)
-        w = tl.where(t < rel, k_rs * tl.exp2(cr - cg), 0.0)  # [T] the tokens before it, decayed to it
-        kf = tl.load(k_rows, mask=real[:, None], other=0.0).to(tl.float32)
-        tl.store(snap + sn, S0 * tl.exp2(cr) + tl.dot(tl.trans(kf * w[:, None]), u, input_precision=DOT))
-        if TWO:
-            kf = tl.load(k_rows + BK * sk_d, mask=real[:, None], other=0.0).to(tl.float32)
-            tl.store(snap + sn + BK * ss_k, S1 * tl.exp2(cr) + tl.dot(tl.trans(kf * w[:, None]), u, input_precision=DOT))
-
-
 def delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 S: torch.Tensor, store_state: bool = True, *, block_v: int = 32, block_k: int = 64,
                 num_warps: int = 4, dot_precision: str = "tf32") -> torch.Tensor:
@@ -474,7 +280,7 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 S: torch.Tensor, cu: torch.Tensor, lmax: int, *, snap: torch.Tensor | None = None,
                 snap_at: torch.Tensor | None = None, src_off: torch.Tensor | None = None,
                 keep: torch.Tensor | None = None, block_v: int = 32, block_k: int = 64,
-                num_warps: int = 4, dot_precision: str = "tf32", split: bool = False) -> torch.Tensor:
+                num_warps: int = 4, dot_precision: str = "tf32") -> torch.Tensor:
     """delta_chunk for B packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (sequence b: tokens
     [cu[b], cu[b + 1]), at most lmax of them, all real), S [B, Hv, Dk, Dv] float32 (sequence b's state, updated in
     place), cu [B + 1] long on the device -> o [T, Hv, Dv] (zero for tokens of no sequence). A grid axis runs over
@@ -505,10 +311,6 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     if src_off is not None:
         assert src_off.shape == (B,) and keep is not None and keep.shape == (B,), "src_off and keep: [B] each"
     o = torch.zeros((T, Hv, Dv), dtype=v.dtype, device=v.device)
-    if split:
-        _delta_split(q, k, v, g, beta, S, cu, o, BT, snap, snap_at, nsnap, src_off, keep, BK, BV, dot_precision,
-                     num_warps)
-        return o
     _delta_chunk_kernel[(Hv, Dv // BV, B)](
         q, k, v, g, beta, S, o, BT,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *S.stride()[1:], *o.stride(),
@@ -519,37 +321,3 @@ def delta_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         num_warps=num_warps,
     )
     return o
-
-
-SPLIT_KEYS = 64  # the split form's second phase holds a state slice as one or two [SPLIT_KEYS, BV] tiles
-SPLIT_PREP_WARPS = 8  # its first phase's warps (ptxas for sm_90, 9B shape: no spills with 8, 388 bytes with 4)
-
-
-def _delta_split(q, k, v, g, beta, S, cu, o, BT, snap, snap_at, nsnap, src_off, keep, BK, BV, dot_precision,
-                 num_warps) -> None:
-    """`delta_batch`'s split form, into o and S: `_split_prep_kernel` over every chunk of every sequence at once (a grid
-    sized for the most chunks T tokens in B sequences can make: nothing is read on the host) into a float32 workspace
-    of two [T, T] matrices a chunk and value head, then `_split_pass_kernel` over (value head, value slice, sequence)."""
-    T, Hk, Dk = k.shape
-    Hv, Dv = v.shape[1], v.shape[2]
-    B = S.shape[0]
-    PK = min(Dk, SPLIT_KEYS)
-    assert Dk <= 2 * SPLIT_KEYS, f"the split form takes key heads up to {2 * SPLIT_KEYS} wide, got {Dk}"
-    NC = triton.cdiv(T, BT) + B
-    w = torch.empty((2, NC, Hv, BT, BT), dtype=torch.float32, device=v.device)
-    BB = max(2, triton.next_power_of_2(B))
-    _split_prep_kernel[(NC, Hv)](
-        q, k, g, beta, w, cu, B,
-        *q.stride(), *k.stride(), *g.stride(), *beta.stride(), *w.stride()[:3],
-        Dk**-0.5,
-        GROUP=Hv // Hk, DK=Dk, BK=BK, BT=BT, LOG_BT=BT.bit_length() - 1, BB=BB, DOT=dot_precision,
-        RAW_QK=q.is_cuda and q.element_size() == 2, num_warps=SPLIT_PREP_WARPS,
-    )
-    _split_pass_kernel[(Hv, Dv // BV, B)](
-        q, k, v, g, beta, w, S, o, cu, B,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *w.stride()[:3], *S.stride(),
-        *o.stride(), Dk**-0.5, S if snap is None else snap, cu if snap_at is None else snap_at,
-        0 if snap is None else snap.stride(0), cu if src_off is None else src_off, cu if keep is None else keep,
-        GROUP=Hv // Hk, BK=PK, TWO=Dk > PK, BT=BT, BV=BV, BB=BB, DOT=dot_precision, NSNAP=nsnap,
-        SRC=src_off is not None, num_warps=num_warps,
-    )

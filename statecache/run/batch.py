@@ -204,7 +204,7 @@ class BatchKernels:
         keep [Bb]) for the Triton kernel (each sequence's state read where it lies, see statecache.kernels.gdn.delta_batch), or
         None: the states are in S's slots (`BatchRunner.load`)."""
         if self.triton:
-            kw = {**delta_knobs(S.shape[0], lmax), **self.delta_kw}
+            kw = {**delta_knobs(S.shape[0]), **self.delta_kw}
             if src is not None:
                 kw.update(src_off=src[0], keep=src[1])
             if snap is None:
@@ -253,16 +253,11 @@ class BatchKernels:
             s += n
 
 
-def delta_knobs(batch: int, lmax: int) -> dict:
-    """The batched delta rule's form and launch knobs for a forward of `batch` sequences of at most `lmax` tokens each:
-    where a sequence may span several 64-token chunks (new pages' pieces), the split form (statecache.kernels.gdn:
-    every chunk's triangular solve at once, then a light pass along each sequence), 8 warps, value blocks of 32;
-    else (questions of one chunk) the one-kernel form with value blocks of 64 from 16 sequences on (measured on an H200
-    at the 9B shape, 64-token pieces: 180 against 196 us a layer at 16 sequences in s9_run1's kernel sweep; 16 hits'
-    graph 30.18 against 30.36 ms in s10_run4), else statecache.kernels.gdn's default of 32 (one sequence: 16.3 us
-    against 25.6 with 64, s3_run3)."""
-    if lmax > CHUNK:
-        return {"split": True, "block_v": 32, "num_warps": 8}
+def delta_knobs(batch: int) -> dict:
+    """The batched delta rule's launch knobs for a forward of `batch` sequences: value blocks of 64 from 16 sequences
+    on (measured on an H200 at the 9B shape, 64-token pieces: 180 against 196 us a layer at 16 sequences in
+    s9_run1's kernel sweep; 16 hits' graph 30.18 against 30.36 ms in s10_run4), else statecache.kernels.gdn's default of 32 (one
+    sequence: 16.3 us against 25.6 with 64, s3_run3)."""
     return {"block_v": 64} if batch >= 16 else {}
 
 
