@@ -104,6 +104,13 @@ def test_route_filter() -> None:
     assert ix.lookup(a, 256) is r2_128  # any route: the deepest, the most recently used at a tie
     ix.touch(r0_128)
     assert ix.lookup(a, 256) is r0_128
+    b = toks(128, 1)
+    h = ix.add_group(b, None, 0)
+    e0, e1 = (ix.add_checkpoint(h, 128, None, 1, route=r) for r in (0, 1))  # the group's end, on two routes
+    assert ix.lookup(b, 128) is e1
+    v = ix.version
+    ix.retire(e1)  # grown past: the least recent, at a tie between routes too (found by the state machine below)
+    assert ix.version != v and ix.lookup(b, 128) is e0
 
 
 # ---- LRU, bytes, eviction --------------------------------------------------------------------------------------------

@@ -127,6 +127,7 @@ class CheckpointIndex:
         self.align = int(align)
         self._digest_mask = (1 << (8 * int(digest_size))) - 1
         self._clock = 0
+        self._low = 0  # below every stamp: `retire` counts down from here
         self._bytes = 0
         self._host_bytes = 0
         self._host_lru: OrderedDict[Checkpoint, None] = OrderedDict()  # host tier, least recent first
@@ -312,6 +313,9 @@ class CheckpointIndex:
         lru = self._lru if ckpt.tier == DEVICE else self._host_lru
         if ckpt in lru and ckpt.pos == len(ckpt.group.ids):
             lru.move_to_end(ckpt, last=False)
+            self._low -= 1  # and the least recent where recency decides between routes at one depth (`lookup`)
+            ckpt.used = self._low
+            self.version += 1
             ckpt.spare = False
             self.counts["retired"] += 1
 
@@ -427,6 +431,7 @@ class CheckpointIndex:
                 return c
             c.spare = False
             lru.move_to_end(c)
+            self._stamp(c)
             self.counts["spared"] += 1
 
     def _down(self, payload: object) -> tuple[bool, object]:
