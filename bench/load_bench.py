@@ -810,6 +810,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # stopped from outside (`timeout` sends SIGTERM): unwind, so that the worker's `finally` stops the worker too (in
+    # s50_run1 a load step cut at its limit left its worker holding the GPU, and the next step's worker found no room)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_s = None

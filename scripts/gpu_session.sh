@@ -117,6 +117,8 @@ run_step() {
         *) echo "gpu_session: no step '$name'" | tee "$dir/log.txt"; return ;;
     esac
     rc=$?
+    # a worker its step left behind (a load step cut at its limit) would hold the GPU for the next step
+    pkill -TERM -f "arq worker.WorkerSettings" 2>/dev/null && sleep 5 && pkill -KILL -f "arq worker.WorkerSettings" 2>/dev/null
     local what="rc $rc"
     [ $rc -eq 124 ] && what="stopped at its $limit s limit"
     echo "== $(basename "$dir")${STEP_ENV:+ ($STEP_ENV)}: $what, $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
