@@ -146,7 +146,10 @@ def fit_log(paths: list) -> tuple[CostModel, dict]:
     worker_stats.engine.step_log, statecache.step.STEP_LOG_FIELDS): device ms = a + b * padded tokens + c * pieces +
     d * M attention pairs + e * 64-token chunks of the longest piece, least squares over every logged step; the
     host's share is off the device's path in the pipelined step loop (none). Steps are charged at their token buckets
-    (the model is `padded`). -> (model, summary)."""
+    (the model is `padded`). The terms are the engine's own (statecache.step.cost_terms: the worker fits the same
+    model to its log to know when a step will end). -> (model, summary)."""
+    from statecache.step import cost_terms  # (imports torch, as --padded does)
+
     X, y = [], []
     for path in paths:
         d = json.loads(Path(path).read_text())
@@ -155,7 +158,7 @@ def fit_log(paths: list) -> tuple[CostModel, dict]:
             f = st.get("fields")
             for row in st.get("steps", ()):
                 r = dict(zip(f, row))
-                X.append([1.0, r["padded"], r["pieces"], r["attn_pairs_m"], -(-r["longest"] // CHUNK)])
+                X.append(cost_terms(r["pieces"], r["padded"], r["longest"], r["attn_pairs_m"]))
                 y.append(r["device_ms"])
     if len(y) < 8:
         raise SystemExit(f"step_sim: --fit-log found {len(y)} logged steps in {paths}; it needs a load_bench run of this "
@@ -178,12 +181,14 @@ def make_view(layout: Layout):
 class Agents:
     """The closed loop: agent i's next row reaches the worker rtt after its last answer."""
 
-    def __init__(self, n: int, seed: int, rtt_s: float, max_jobs: int = 0):
+    def __init__(self, n: int, seed: int, rtt_s: float, max_jobs: int = 0, intake_s: float = 0.0):
         self.trace = AgentTrace(n, seed, token_range(real_shape("9B")["vocab_size"]))  # load_bench's rows on the 9B
         self.rtt_s = rtt_s
         self.max_jobs = max_jobs  # rows the worker holds at once (STATECACHE_MAX_JOBS; 0: no bound): the rest wait in
         self.queued: list = []  # Redis, first in first out
         self.held = 0
+        self.intake_s = intake_s  # an answered row's slot takes the next queued row this much later (arq's result,
+        self.freeing: list = []  # its poll and start, the row's check and hand-over to the GPU thread): times
         self.serial = 0
         self.arrivals = []  # (time, Row, agent, submitted)
         for i in range(n):
@@ -200,25 +205,29 @@ class Agents:
     def due(self, t: float) -> list:
         self.queued += [r for at, r in sorted(self.arrivals, key=lambda a: a[0]) if at <= t]
         self.arrivals = [(at, r) for at, r in self.arrivals if at > t]
+        self.held -= sum(1 for at in self.freeing if at <= t)
+        self.freeing = [at for at in self.freeing if at > t]
         k = len(self.queued) if not self.max_jobs else max(0, min(len(self.queued), self.max_jobs - self.held))
         out, self.queued = self.queued[:k], self.queued[k:]
         self.held += len(out)
         return out
 
     def next_arrival(self) -> float:
-        return min(at for at, _ in self.arrivals)
+        return min([at for at, _ in self.arrivals] + self.freeing)
 
     def answer(self, row, t: float, path: str, reused: int) -> None:
-        self.held -= 1
+        self.freeing.append(t + self.intake_s)
         self.records.append((row.submitted, t + self.rtt_s / 2, path, reused, row.n))
         self._next(row.agent, t + self.rtt_s / 2)
 
 
 def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chunk: int,
-              max_piece: int | None = None, pipelined: bool = False) -> dict:
+              max_piece: int | None = None, pipelined: bool = False, lead_s: float | None = None) -> dict:
     """The scheduler's steps back to back. pipelined: as statecache.step runs them, the next step is planned (from
     the rows arrived by then) as soon as this one is launched, and runs right after it, so a row arriving while a
-    step runs joins the step after the next one; else the next step is planned when this one has ended."""
+    step runs joins the step after the next one; else the next step is planned when this one has ended. lead_s
+    (pipelined): the next step is planned this long before this one ends instead (the time its planning and launch
+    take), so rows arriving while this one runs join it."""
     layout = Layout.from_settings()
     view = make_view(layout)
     sched = Scheduler(view, layout, budget_tokens=budget, chunk_tokens=chunk, max_piece=max_piece)
@@ -241,9 +250,9 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
             t = max(t, agents.next_arrival())
             cur = take_and_plan(t)
             continue
-        if pipelined:
-            nxt = take_and_plan(t)  # planned while cur runs, before its `done`
         ms = model.step_ms([(pc.start, pc.tokens) for pc in cur.pieces])
+        if pipelined:  # planned while cur runs, before its `done`
+            nxt = take_and_plan(t if lead_s is None else max(t, t + ms / 1e3 - lead_s))
         t += ms / 1e3
         busy += ms / 1e3
         steps += 1
@@ -382,6 +391,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pipelined", action="store_true",
                     help="steps as statecache.step runs them: the next planned while this one runs (use with "
                          "--step-turn-ms 0)")
+    ap.add_argument("--lead-ms", type=float, default=None,
+                    help="with --pipelined: plan the next step this long before the running one ends (default: as "
+                         "soon as it is launched)")
+    ap.add_argument("--intake-ms", type=float, default=0.0,
+                    help="with --max-jobs: an answered row's place takes the next row queued in Redis this much later "
+                         "(arq's result and poll, the job's start, the row's hand-over to the GPU thread)")
     ap.add_argument("--policies", default="today,steps", help="which of today,steps to run")
     ap.add_argument("--max-jobs", type=int, default=0,
                     help="rows the worker takes from Redis at once, the rest waiting there in order (the worker's "
@@ -429,10 +444,12 @@ def main(argv=None) -> int:
     for i, n in enumerate(map(int, args.agents.split(","))):
         for policy, B, C in configs:
             t0 = time.perf_counter()
-            agents = Agents(n, trace_seed(args.seed, i), args.rtt_ms / 1e3, args.max_jobs)  # load_bench's i-th trace
+            agents = Agents(n, trace_seed(args.seed, i), args.rtt_ms / 1e3, args.max_jobs,  # load_bench's i-th trace
+                            args.intake_ms / 1e3)
             model.turn_ms = args.turn_ms if policy == "today" else args.step_turn_ms
             info = run_today(agents, model, args.seconds) if policy == "today" else \
-                run_steps(agents, model, args.seconds, B, C, args.max_piece, args.pipelined)
+                run_steps(agents, model, args.seconds, B, C, args.max_piece, args.pipelined,
+                          None if args.lead_ms is None else args.lead_ms / 1e3)
             s = summary(agents, args.warmup_s, args.seconds, info["busy_s"], info["end_s"])
             s.update(agents=n, policy=policy, budget=B, chunk=C, sim_s=round(time.perf_counter() - t0, 1),
                      turn_ms=model.turn_ms, tokens_per_step=round(info.get("tokens_per_step", 0)),

@@ -58,6 +58,14 @@ STEP_LOG = 1024  # the last steps `Steps.log` keeps
 STEP_LOG_FIELDS = ("pieces", "tokens", "padded", "longest", "attn_pairs_m", "device_ms")
 
 
+def cost_terms(pieces: int, padded: int, longest: int, attn_pairs_m: float) -> list[float]:
+    """A step's terms in the device-time model (ms = terms . coefficients, least squares over logged steps): a
+    constant, its padded tokens (the matmuls), its pieces, its attention pairs in millions, and the 64-token chunks
+    of its longest piece (the delta rule runs a sequence's chunks one after another). bench/step_sim.py's --fit-log
+    fits it to a worker's log."""
+    return [1.0, float(padded), float(pieces), float(attn_pairs_m), float(-(-longest // 64))]
+
+
 class RowFailed(Exception):
     """A row that could not run: `code` and `message` make its error result."""
 
