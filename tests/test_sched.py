@@ -297,8 +297,12 @@ def test_pages_first_come_first_served_and_hits_never_wait_behind_them(seed, pag
     check_rows(d, layout, sched)
     order = [("page", i) for i in range(pages)]
     assert [d.first_step[r] for r in order] == sorted(d.first_step[r] for r in order)
-    if chunk >= budget:  # one page at a time: they are answered in the order they came
-        assert [d.finish_step[r] for r in order] == sorted(d.finish_step[r] for r in order)
+    if chunk >= budget:  # one page at a time: they are answered in the order they came, but for a page that ran
+        # whole in the room an earlier page's piece left (cut short at its state's end, or its question: hypothesis
+        # found a 69-token page answered a step before the page ahead of it, seed=22020, budget=chunk=132)
+        for i, a in enumerate(order):
+            for b in order[i + 1:]:
+                assert d.finish_step[a] <= d.finish_step[b] or d.first_step[b] == d.finish_step[b], (a, b)
     assert all(d.finished[("hit", j)].path == HIT for j in range(hits))
 
 
