@@ -146,8 +146,7 @@ def fit_log(paths: list) -> tuple[CostModel, dict]:
     worker_stats.engine.step_log, statecache.step.STEP_LOG_FIELDS): device ms = a + b * padded tokens + c * pieces +
     d * M attention pairs + e * 64-token chunks of the longest piece, least squares over every logged step; the
     host's share is off the device's path in the pipelined step loop (none). Steps are charged at their token buckets
-    (the model is `padded`). The terms are the engine's own (statecache.step.cost_terms: the worker fits the same
-    model to its log to know when a step will end). -> (model, summary)."""
+    (the model is `padded`). The terms are the engine's (statecache.step.cost_terms). -> (model, summary)."""
     from statecache.step import cost_terms  # (imports torch, as --padded does)
 
     X, y = [], []

@@ -43,7 +43,7 @@ import torch
 from statecache.cache.index import DEVICE
 from statecache.cache.store import Answer, StateCache
 from statecache.cache.tiers import kv_rows
-from statecache.run.batch import SNAPS_PER_PIECE, NotBatched, Piece
+from statecache.run.batch import CHUNK, SNAPS_PER_PIECE, NotBatched, Piece
 from statecache.run.graphs import n_options
 from statecache.sched import Layout, Row, Scheduler, attn_pairs, slots_at_one_position
 
@@ -60,10 +60,10 @@ STEP_LOG_FIELDS = ("pieces", "tokens", "padded", "longest", "attn_pairs_m", "dev
 
 def cost_terms(pieces: int, padded: int, longest: int, attn_pairs_m: float) -> list[float]:
     """A step's terms in the device-time model (ms = terms . coefficients, least squares over logged steps): a
-    constant, its padded tokens (the matmuls), its pieces, its attention pairs in millions, and the 64-token chunks
-    of its longest piece (the delta rule runs a sequence's chunks one after another). bench/step_sim.py's --fit-log
-    fits it to a worker's log."""
-    return [1.0, float(padded), float(pieces), float(attn_pairs_m), float(-(-longest // 64))]
+    constant, its padded tokens (the matmuls), its pieces, its attention pairs in millions, and the CHUNK-token
+    chunks of its longest piece (the delta rule runs a sequence's chunks one after another). bench/step_sim.py's
+    --fit-log fits it to a worker's log."""
+    return [1.0, float(padded), float(pieces), float(attn_pairs_m), float(-(-longest // CHUNK))]
 
 
 class RowFailed(Exception):
