@@ -46,7 +46,7 @@ from statecache.protocol import error_result
 from statecache.rows.check import CheckedRow, RowError, check_row
 from statecache.rows.memo import Memo, row_key
 from statecache.rows.text import answer_tokens, text_bound
-from statecache.run.batch import CHUNK, BatchRunner
+from statecache.run.batch import CHUNK, MAX_PIECE, TOKENS, BatchRunner, bucket
 from statecache.run.compile_cache import use_persistent_caches
 from statecache.sched import slots_at_one_position
 from statecache.step import BUDGET_TOKENS, CHUNK_TOKENS, STEP_LOG_FIELDS, RowFailed, Steps
@@ -140,8 +140,10 @@ class Engine:
                              "chunk, where the step loop keeps states)")
         if batch < 1:
             raise ValueError(f"batch {batch}: the step loop runs at least one sequence a forward")
-        # the step loop's runner takes rows up to the longest a row may be (its key span only sizes kernel splits)
-        self.runner = self._batch_runner(max(4, settings.max_slots), batch, max_row_tokens)
+        # the step loop's runner takes rows up to the longest a row may be (its key span only sizes kernel splits);
+        # its forwards hold at most a step's tokens (a question piece longer than the step runs alone: a longest piece)
+        self.runner = self._batch_runner(max(4, settings.max_slots), batch, max_row_tokens,
+                                         bucket(max(step_tokens, MAX_PIECE), TOKENS) or max(step_tokens, MAX_PIECE))
         st = self.runner.st
         self.cache = StateCache(settings, self.device, checkpoint_bytes=st.checkpoint_bytes(),
                                 position_bytes=st.position_bytes())
@@ -225,16 +227,18 @@ class Engine:
 
             model = tiny_model_dir(s.home)
         args = dict(settings=s.cache_settings(), compile=s.compile, precapture=s.precapture,
-                    cold_ok=load_policy(s.cold_ok), specialists=s.specialists, batch=s.batch, step_tokens=s.step_tokens)
+                    cold_ok=load_policy(s.cold_ok), specialists=s.specialists, batch=s.step_sequences,
+                    step_tokens=s.step_tokens)
         if s.max_row_tokens is not None:
             args["max_row_tokens"] = s.max_row_tokens
         return cls(model, s.device, s.dtype, **{**args, **kw})
 
-    def _batch_runner(self, max_slots: int, max_batch: int, max_keys: int) -> BatchRunner:
+    def _batch_runner(self, max_slots: int, max_batch: int, max_keys: int, max_tokens: int) -> BatchRunner:
         """The step loop's runner (statecache.run.batch): CUDA graphs over statecache's Triton kernels where they serve
         this model and device, else the same forwards eagerly (the CPU; a model whose shapes the Triton kernels do not
         take runs eagerly on the GPU too, slowly). With specialists each sequence runs with its own route."""
-        kw = dict(max_slots=max_slots, max_batch=max_batch, max_pos=max_keys, specialists=self.specialists)
+        kw = dict(max_slots=max_slots, max_batch=max_batch, max_tokens=max_tokens, max_pos=max_keys,
+                  specialists=self.specialists)
         try:
             return BatchRunner(self.model, self.kernels, **kw)
         except ValueError as e:
@@ -313,6 +317,11 @@ class Engine:
     def pending(self) -> int:
         """Rows in the schedule (`step` has work)."""
         return self.steps.pending()
+
+    def step_at(self) -> float | None:
+        """When (time.perf_counter) the next `step` should be called: shortly before the step running on the device
+        ends (statecache.step.Steps.launch_at), so that rows submitted until then join the next step; None: now."""
+        return self.steps.launch_at()
 
     def _schedule(self, key, row: dict, fresh: bool = False) -> None:
         """A checked row into the step loop; one with more slots at one position than a piece holds as parts."""

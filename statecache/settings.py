@@ -46,7 +46,7 @@ class Settings:
     compile: bool | None = _f(None, "STATECACHE_COMPILE", "torch.compile the elementwise kernels (default: on cuda)")
     precapture: bool = _f(True, "STATECACHE_PRECAPTURE", "capture every CUDA graph before serving (no-op on the CPU)")
     specialists: str | None = _f(None, "STATECACHE_SPECIALISTS", "specialists folder (router and one LoRA adapter per route; docs/SPECIALISTS.md; default: none)")
-    batch: int = _f(64, "STATECACHE_BATCH", "most sequences (rows' pieces) one step's forward runs; at least 1")
+    batch: int = _f(64, "STATECACHE_BATCH", "most sequences (rows' pieces) one step's forward runs, at least 1 (a worker's never more than max_jobs)")
     max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")
     step_tokens: int = _f(2048, "STATECACHE_STEP_TOKENS", "tokens one engine step runs at most (hits, grown states and new pages' chunks together): larger steps give more rows/s on a busy GPU, smaller ones answer hits sooner")
     # --- the state cache
@@ -92,6 +92,13 @@ class Settings:
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def step_sequences(self) -> int:
+        """The most sequences one step's forward runs in a worker: `batch`, but never more than the rows a worker
+        holds (`max_jobs`, one row a job; a row is one sequence of a step): forwards of more are never run, so their
+        CUDA graphs are not captured (fewer graphs, a shorter start-up)."""
+        return max(1, min(self.batch, self.max_jobs))
 
     def cache_settings(self) -> CacheSettings:
         """The cache's settings (statecache.cache.config.CacheSettings): these budgets and stride, the rest (tail,

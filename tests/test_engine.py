@@ -612,3 +612,16 @@ def test_score_timings_count_every_answered_row_by_path(monkeypatch, capsys):
         assert v["answer_ms"]["mean"] > 0 and v["gpu_wait_ms"]["mean"] == 0  # no GPU here: all of it is host work
         assert abs(v["answer_host_ms"]["mean"] - (v["answer_ms"]["mean"] - v["gpu_wait_ms"]["mean"])) < 1e-3
     assert tm["line_in_to_answer_out_ms"]["mean"] > 0
+
+
+def test_the_workers_runner_takes_only_the_shapes_its_steps_can_have():
+    """A worker's forwards hold at most a step's tokens (a longest piece where the step is shorter) and at most the
+    rows it holds (max_jobs): no graph is captured for more (Settings.step_sequences)."""
+    from statecache.settings import Settings
+
+    s = Settings.from_env({}).replace(device="cpu")
+    r = Engine.from_settings(s).runner
+    assert r.max_batch == s.step_sequences == min(s.batch, s.max_jobs) and r.max_tokens == s.step_tokens
+    assert len(r.keys()) == 100 and all(B <= r.max_batch and T <= s.step_tokens for B, T, _ in r.keys())
+    e = Engine.from_settings(s.replace(step_tokens=300, max_jobs=40))
+    assert (e.runner.max_batch, e.runner.max_tokens, e.steps.sched.budget_tokens) == (32, 512, 300)

@@ -302,7 +302,7 @@ def test_steps_mix_new_pages_hits_and_grown_states_bf16(kernels):
 
 
 def test_a_9000_token_state_is_cached_through_the_step_bf16(kernels):
-    """A 9,000-token state (past the 8,192 tokens of the largest graph's packed tokens)
+    """A 9,000-token state (past the largest graph's packed tokens: a step's 2,048)
     through the step loop's CUDA graphs on the tiny model, bf16: planted, then continued from by a hit and by a
     grown state, every answer near the uncached forward's."""
     from statecache.cache.config import CacheSettings

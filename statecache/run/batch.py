@@ -46,8 +46,10 @@ from statecache.run.graphs import MAX_OPTIONS, Staging, fill_options, new_stats,
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch-size buckets (sequences per graph)
 # packed-token buckets: a forward's matmuls run on its bucket's tokens, so past a few hundred tokens (where the
-# weight reads stop dominating) padding costs time; steps of at most 1.5x
-TOKENS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+# weight reads stop dominating) padding costs time (~22 us a padded token at the 9B shape on an H100): steps of at
+# most 1.5x, and 1.17-1.25x between 1024 and 2048 (the steps the worker runs most: its logged steps of s49 padded 5-6%
+# with 1536 and 2048 alone, 4% with 1280 and 1792 too)
+TOKENS = (64, 128, 192, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096, 6144, 8192)
 CHUNK = 64  # the delta rule's chunk
 SNAP_GAP = 16  # a snapshot lies at least this far inside its piece (its conv tail: the inputs before it, all the piece's)
 MAX_PIECE = 512  # the most tokens one sequence of a batch may have
