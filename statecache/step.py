@@ -264,6 +264,20 @@ class Steps:
     def pending(self) -> int:
         return len(self.live)
 
+    def held_bytes(self) -> int:
+        """Device bytes the rows in the schedule hold outside the cache: their K/V buffers, their states between
+        pieces and the snapshots they have still to plant (a 5k-token page at the 9B shape: ~160 MiB of K/V and ~50
+        MiB a state). The cache's budget covers them (CheckpointIndex.held_bytes): a budget sized for the cache alone
+        ran an H100 out of memory at 16 agents."""
+        seen: set[int] = set()
+        total = 0
+        for live in self.live.values():
+            for t in (live.K, live.V, live.conv, live.S, *(x for snap in live.snaps for x in snap[1:3])):
+                if t is not None and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return total
+
     # ---- one step ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -374,6 +388,7 @@ class Steps:
         self._unpin(flight)
         t2 = time.perf_counter()
         sec["done"] += t2 - t1
+        self.cache.index.held_bytes = self.held_bytes()
         self.cache.stats["evicted"] += len(self.cache.index.evict())
         sec["evict"] += time.perf_counter() - t2
         return out
@@ -617,4 +632,6 @@ class Steps:
         if self._flight is not None:
             self._unpin(self._flight)
             self._flight = None
-        return [self._fail(rid, RowFailed("retry", "the schedule was cleared")) for rid in list(self.live)]
+        out = [self._fail(rid, RowFailed("retry", "the schedule was cleared")) for rid in list(self.live)]
+        self.sched.abandon()  # the step in flight, and one planned when the failure came, are never done
+        return out

@@ -154,6 +154,43 @@ def test_host_pool_copies_and_reuses_its_slices():
     assert pool.free_bytes == 4096
 
 
+def test_a_copy_the_device_has_no_memory_for_moves_nothing_and_drops_no_host_checkpoint(monkeypatch):
+    """Device memory running out while a payload is copied to the host (on CUDA a strided tensor goes through a
+    contiguous device copy; an H100 ran out there while the cache gave memory back, and the error failed the step):
+    the pool says False and frees the slices it took; the index drops that checkpoint instead of moving it, keeps the
+    host's checkpoints (freeing host memory does not help) and stays within its budgets."""
+    pool = HostPool(4096, "cpu")
+    real, calls = pool._copy_down, [0]
+
+    def second_fails(h, t):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (fault hook)")
+        real(h, t)
+
+    monkeypatch.setattr(pool, "_copy_down", second_fails)
+    assert pool.down((torch.ones(16), torch.ones(16))) is False
+    assert pool.free_bytes == 4096 and pool.info()["device_oom"] == 1
+    monkeypatch.setattr(pool, "_copy_down", real)
+
+    ix = CheckpointIndex(300, align=1, host_budget_bytes=4096)
+    ix.tiers = pool
+    payload = lambda k: (torch.full((16,), float(k)),)  # noqa: E731 - 64 bytes each
+    g0 = ix.add_group([0] * 4, (), 0)
+    ix.add_checkpoint(g0, 4, payload(0), 200)
+    g1 = ix.add_group([1] * 4, (), 0)
+    ix.add_checkpoint(g1, 4, payload(1), 200)
+    ix.evict()  # the first moves to the host
+    assert ix.lookup([0] * 4, 4).tier == HOST and ix.counts["demoted"] == 1
+    monkeypatch.setattr(pool, "_copy_down", lambda h, t: (_ for _ in ()).throw(torch.OutOfMemoryError("fault hook")))
+    g2 = ix.add_group([2] * 4, (), 0)
+    ix.add_checkpoint(g2, 4, payload(2), 200)
+    dropped = ix.evict()  # the second cannot be copied: dropped, the host's first kept
+    assert [c.pos for c in dropped] == [4] and ix.lookup([1] * 4, 4) is None
+    assert ix.lookup([0] * 4, 4).tier == HOST and ix.counts["unmovable"] == 1
+    budgets_hold(ix)
+
+
 def test_host_pool_grows_by_slabs_within_its_bound_and_keeps_runs_inside_a_slab():
     pool = HostPool(3 * 1024, "cpu", slab_bytes=1024)
     assert pool.allocated == 0 and pool.free_bytes == 3 * 1024  # nothing allocated before the first copy down

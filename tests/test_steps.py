@@ -94,7 +94,9 @@ def make_rows(wave, states, rng, note=event) -> list[dict]:
        waves=st.lists(st.tuples(st.lists(ops, min_size=1, max_size=5), st.integers(0, 3)), min_size=1, max_size=4))
 def test_waves_of_rows_between_steps_answer_as_the_plain_forward(seed, step_tokens, step_chunk, mb, waves):
     """Each wave is submitted, then that many steps run before the next wave comes (0: it joins at once); the last
-    wave's rows are stepped to their end. Every row is answered once, as the plain forward answers it."""
+    wave's rows are stepped to their end. Every row is answered once, as the plain forward answers it. After every
+    step the cache's device bytes and what the rows in the schedule hold beside them (Steps.held_bytes) are within
+    the budget, or what is left on the device is what those rows will read (pinned)."""
     eng = fresh(step_tokens, step_chunk, mb)
     rng = np.random.default_rng(seed)
     states: list[list[int]] = []
@@ -102,7 +104,10 @@ def test_waves_of_rows_between_steps_answer_as_the_plain_forward(seed, step_toke
     rows = [r for batch, _ in batches for r in batch]
 
     def within_budget() -> None:
-        assert eng.cache.index.bytes <= eng.cache.index.budget_bytes
+        ix, held = eng.cache.index, eng.steps.held_bytes()
+        assert ix.bytes <= ix.budget_bytes
+        assert ix.bytes + held <= ix.budget_bytes or all(c in ix._pins for c in ix._lru), (ix.bytes, held)
+        event(f"held {'none' if not held else 'some'}; device tier {'empty' if not ix.bytes else 'holding'}")
 
     res = answer_in_waves(eng, batches, within_budget)
     assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
@@ -257,6 +262,35 @@ def test_answers_that_cannot_be_read_give_their_rows_back_and_change_no_answer(s
     finally:
         eng.runner.read_later = real
     assert not eng.pending() and not eng.steps.live
+
+
+def test_after_a_step_raises_and_the_schedule_is_cleared_later_rows_are_answered():
+    """A step raising past its own isolation (here device memory running out in a forward and again while the cache
+    gives memory back, with a step in flight behind it) makes the worker give up the schedule (`Engine.clear_schedule`, as worker.gpu_thread does):
+    every row in it comes back, and the rows submitted after are answered as the plain forward answers them (the
+    scheduler does not wait for the abandoned steps: on an H100 one such failure failed every later step)."""
+    eng = fresh(320, 192, 64)
+    rng = np.random.default_rng(7)
+    first = make_rows([{"op": "new", "of": 0, "new_len": 600, "append": 1, "where": 0.0, "qlen": 5, "slots": 1}] * 3,
+                      [], rng, note=lambda kind: None)
+    tags = [f"a{k}" for k in range(len(first))]
+    assert eng.submit(first, tags) == []
+    eng.step()  # a step in flight
+    real, evict = eng.runner.forward, eng.cache.index.evict
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (fault hook)")
+
+    eng.runner.forward = eng.cache.index.evict = out_of_memory
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="fault hook"):
+            eng.step()
+    finally:
+        eng.runner.forward, eng.cache.index.evict = real, evict
+    assert sorted(eng.clear_schedule()) == tags and not eng.pending() and not eng.steps.live
+    rows, res = random_waves(eng, rng, 3)
+    assert all("probs" in r for r in res), [r for r in res if "probs" not in r]
+    check(eng, rows, res)
 
 
 def test_states_longer_than_a_pieces_span_are_cached_through_the_step():

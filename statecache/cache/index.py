@@ -14,7 +14,7 @@ budget cannot keep moves to the host (``demoted``) when it fits there, else it i
 LRU. A group's shared payload is on the device while any of its checkpoints is, and follows the last one to the host.
 ``promote`` brings a host checkpoint (and its group) back to the device, evicting others to the host. Lookup sees
 both tiers (token-exact either way). Moving a payload is the ``tiers`` object's business (``down(payload)`` -> the
-host copy or None when it has no room, ``up(host payload)`` -> the device copy, ``free(host payload)``); without one a
+host copy, None when it has no room, False when the copy cannot be made at all (the device's memory ran out), ``up(host payload)`` -> the device copy, ``free(host payload)``); without one a
 payload moves as it is (the bookkeeping alone, for tests and simulations). ``pin``/``unpin``: a checkpoint a row
 already taken will read; eviction passes over pinned checkpoints while unpinned ones remain (a preference: the
 budgets are never exceeded). ``shared_depth``: the deepest aligned position to which some live group's tokens equal
@@ -124,6 +124,9 @@ class CheckpointIndex:
         self.budget_bytes = int(budget_bytes)
         self.host_budget_bytes = int(host_budget_bytes)
         self.tiers = None  # moves payloads between the tiers (see the module docstring); None: as they are
+        # device bytes held outside the index that its budget covers too (the step loop's rows in the schedule:
+        # statecache.step.Steps.held_bytes, set before each eviction): `evict` makes room for them as well
+        self.held_bytes = 0
         self.align = int(align)
         self._digest_mask = (1 << (8 * int(digest_size))) - 1
         self._clock = 0
@@ -137,7 +140,7 @@ class CheckpointIndex:
         # dropped_host (host LRU), replaced (a new checkpoint of the same tokens); promoted (host -> device);
         # retired (a grown-past state's end sent to the eviction end), spared (a fork point's extra lap)
         self.counts = {"demoted": 0, "dropped_device": 0, "dropped_host": 0, "replaced": 0, "promoted": 0,
-                       "pinned_passed": 0, "retired": 0, "spared": 0}
+                       "pinned_passed": 0, "retired": 0, "spared": 0, "unmovable": 0}
         self.version = 0  # bumped by every change that can change what `lookup` returns (see `lookup`)
         self._groups: dict[Group, None] = {}  # live groups, insertion-ordered
         self._lru: OrderedDict[Checkpoint, None] = OrderedDict()  # least recent first
@@ -365,14 +368,16 @@ class CheckpointIndex:
 
     def evict(self) -> list[Checkpoint]:
         """Drop groups without checkpoints; then move least recently used device checkpoints to the host (drop them
-        when the host tier cannot take them) until ``bytes <= budget_bytes``, and drop least recently used host
-        checkpoints until ``host_bytes <= host_budget_bytes`` (a group goes with its last checkpoint). Pinned
-        checkpoints go last. Returns the dropped checkpoints (either tier), least recent first."""
+        when the host tier cannot take them) until ``bytes + held_bytes <= budget_bytes`` (pinned ones only while
+        ``bytes`` alone is over), and drop least recently used host checkpoints until ``host_bytes <=
+        host_budget_bytes`` (a group goes with its last checkpoint). Pinned checkpoints go last. Returns the dropped checkpoints (either tier), least recent first."""
         for g in [g for g in self._groups if not g.ckpts]:
             self._drop_group(g)
         out: list[Checkpoint] = []
-        while self._lru and self._bytes > self.budget_bytes:
+        while self._lru and self._bytes + self.held_bytes > self.budget_bytes:
             c = self._victim(self._lru)
+            if c in self._pins and self._bytes <= self.budget_bytes:
+                break  # over only by what the rows hold beside the cache: what they will read stays
             if not self._demote(c, out):
                 self.counts["dropped_device"] += 1
                 self._drop(c, out)
@@ -439,7 +444,7 @@ class CheckpointIndex:
         if self.tiers is None:
             return True, payload
         moved = self.tiers.down(payload)
-        return moved is not None, moved
+        return moved is not None and moved is not False, moved
 
     def _up(self, payload: object) -> object:
         return payload if self.tiers is None else self.tiers.up(payload)
@@ -468,6 +473,9 @@ class CheckpointIndex:
             ok, moved = self._down(payload)
             if ok:
                 return True, moved
+            if moved is False:  # the copy cannot be made (device memory ran out): no host checkpoint is dropped for it
+                self.counts["unmovable"] += 1
+                return False, None
             if not self._host_lru:  # the pool has no room for it (fragmented) even when empty
                 return False, None
             self._drop_host_victim(out)

@@ -125,7 +125,7 @@ class HostPool:
             fin = weakref.finalize(self, _unregister, self._registered, self._maps)
             fin.atexit = False  # at exit the process's teardown frees both
         self.stats = {"copies_down": 0, "bytes_down": 0, "copies_up": 0, "bytes_up": 0, "up_ms": 0.0,
-                      "no_room": 0, "slabs": 0, "slab_ms": 0.0, "prepare_ms": 0.0}
+                      "no_room": 0, "device_oom": 0, "slabs": 0, "slab_ms": 0.0, "prepare_ms": 0.0}
 
     # ---- growth ---------------------------------------------------------------------------------------------------
 
@@ -287,7 +287,10 @@ class HostPool:
 
     # ---- the copies -----------------------------------------------------------------------------------------------
 
-    def down(self, payload: tuple) -> HostPayload | None:
+    def down(self, payload: tuple) -> HostPayload | None | bool:
+        """The payload's host copy (its tensors copied into slices of the pool, asynchronously on CUDA); None when the
+        pool has no run long enough for one of them (freeing host checkpoints may make room); False when the copy
+        could not be made for want of device memory (freeing host memory does not help)."""
         sizes = [t.numel() * t.element_size() for t in payload if isinstance(t, torch.Tensor)]
         slices: list[tuple[int, int]] = []
         for n in sizes:
@@ -304,26 +307,39 @@ class HostPool:
         if self.cuda:
             self.down_stream.wait_stream(torch.cuda.current_stream(self.device))  # what wrote the payload
             self.down_stream.wait_stream(self.up_stream)  # copies up still reading slices freed since
-        for t in payload:
-            if not isinstance(t, torch.Tensor):
-                items.append(t)
-                continue
-            off, n = slices[k]
-            k += 1
-            h = self._view(off, n).view(t.dtype).view(t.shape)
-            if self.cuda:
-                with torch.cuda.stream(self.down_stream):
-                    h.copy_(t, non_blocking=True)
-                t.record_stream(self.down_stream)  # its memory is not reused before this copy reads it
-            else:
-                h.copy_(t)
-            items.append(h)
+        try:
+            for t in payload:
+                if not isinstance(t, torch.Tensor):
+                    items.append(t)
+                    continue
+                off, n = slices[k]
+                k += 1
+                h = self._view(off, n).view(t.dtype).view(t.shape)
+                self._copy_down(h, t)
+                items.append(h)
+        except torch.OutOfMemoryError:
+            # a strided tensor's copy to the host goes through a contiguous copy on the device, which device memory
+            # running out (when the cache gives memory back: statecache.step.Steps._relieve) cannot hold: no room
+            # here; copies already issued write slices that are free again, each later writer ordered behind them
+            with self._lock:
+                for o, m in slices:
+                    self._release(o, m)
+            self.stats["device_oom"] += 1
+            return False
         if self.cuda:
             written = torch.cuda.Event()
             written.record(self.down_stream)
         self.stats["copies_down"] += 1
         self.stats["bytes_down"] += sum(sizes)
         return HostPayload(tuple(items), slices, written, strides)
+
+    def _copy_down(self, h: torch.Tensor, t: torch.Tensor) -> None:
+        if self.cuda:
+            with torch.cuda.stream(self.down_stream):
+                h.copy_(t, non_blocking=True)
+            t.record_stream(self.down_stream)  # its memory is not reused before this copy reads it
+        else:
+            h.copy_(t)
 
     def up(self, hp: HostPayload) -> tuple:
         t0 = time.perf_counter()

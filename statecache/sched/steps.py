@@ -282,6 +282,11 @@ class Scheduler:
                 out.append(Finished(job.row, job.path, job.start, job.row.n - job.start, job.pieces))
         return out
 
+    def abandon(self) -> None:
+        """The steps planned and not yet done will never be done (a step raised past its own isolation and the caller
+        gives up every row in the schedule, with `drop`): the next step planned is the next one `done` expects."""
+        self._done = self._serial
+
     def drop(self, rid: Hashable) -> Row | None:
         """Forget a row, waiting or started (its computation failed, or its caller gave it up): nothing of it runs
         again, the checkpoints it had still to plant are not waited for. Returns the row (None: not scheduled).
