@@ -318,11 +318,6 @@ class Engine:
         """Rows in the schedule (`step` has work)."""
         return self.steps.pending()
 
-    def step_at(self) -> float | None:
-        """When (time.perf_counter) the next `step` should be called: shortly before the step running on the device
-        ends (statecache.step.Steps.launch_at), so that rows submitted until then join the next step; None: now."""
-        return self.steps.launch_at()
-
     def _schedule(self, key, row: dict, fresh: bool = False) -> None:
         """A checked row into the step loop; one with more slots at one position than a piece holds as parts."""
         if slots_at_one_position(row["slots"]) > self.runner.max_slots:

@@ -38,7 +38,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from statecache.cache.index import DEVICE
@@ -57,18 +56,13 @@ STEP_LOG = 1024  # the last steps `Steps.log` keeps
 # query-key pairs in millions (each piece L * (start + L / 2)), and its device milliseconds (CUDA events around its
 # forwards; on the CPU their wall time): what bench/step_sim.py's cost model is fitted to
 STEP_LOG_FIELDS = ("pieces", "tokens", "padded", "longest", "attn_pairs_m", "device_ms")
-# planning ahead (`Steps.launch_at`): the next step is planned this long before the one running on the device is
-# expected to end (the host's part of a turn, taking rows, planning, restoring and launching, took ~12 ms a step at
-# 64 agents in s49_run1), so that the rows arriving while it runs join the next step instead of the one after it
-LEAD_S = 0.025
-FIT_STEPS = 64  # the device-time model is fitted to the step log once it holds this many steps, and again every so many
 
 
 def cost_terms(pieces: int, padded: int, longest: int, attn_pairs_m: float) -> list[float]:
     """A step's terms in the device-time model (ms = terms . coefficients, least squares over logged steps): a
     constant, its padded tokens (the matmuls), its pieces, its attention pairs in millions, and the CHUNK-token
-    chunks of its longest piece (the delta rule runs a sequence's chunks one after another). `Steps` fits it to
-    its own log to know when the step in flight will end; bench/step_sim.py's --fit-log fits it to a worker's."""
+    chunks of its longest piece (the delta rule runs a sequence's chunks one after another). bench/step_sim.py's
+    --fit-log fits it to a worker's log."""
     return [1.0, float(padded), float(pieces), float(attn_pairs_m), float(-(-longest // CHUNK))]
 
 
@@ -122,8 +116,6 @@ class _Flight:
     reads: list
     pinned: list
     timing: tuple = ()  # (start, end: CUDA events or perf_counter seconds, the step's STEP_LOG_FIELDS but the time)
-    began: float = 0.0  # perf_counter when its forwards began on the device (about: when the step before it ended)
-    ended: float = 0.0  # perf_counter when its answers were read (its forwards had ended)
 
 
 class CacheView:
@@ -202,9 +194,6 @@ class Steps:
         self.seconds = dict.fromkeys(("plan", "restore", "forward", "keep", "read", "done", "plant", "evict"), 0.0)
         self._flight: _Flight | None = None  # the step launched and not yet finished
         self.log: deque = deque(maxlen=STEP_LOG)  # the last steps, as STEP_LOG_FIELDS tuples
-        self._coef = None  # the device-time model's coefficients (`cost_terms`), once the log has FIT_STEPS steps
-        self._fitted_at = 0  # steps logged when it was last fitted
-        self._logged = 0
 
     # ---- which rows ----------------------------------------------------------------------------------------------
 
@@ -290,29 +279,7 @@ class Steps:
         prev, self._flight = self._flight, flight
         if prev is not None:
             out += self._finish(prev)
-            if flight is not None:
-                flight.began = max(flight.began, prev.ended)  # it began when the one before it ended
         return out
-
-    def launch_at(self) -> float | None:
-        """When (perf_counter) the next step should be planned and launched: LEAD_S before the step on the device
-        is expected to end (the device-time model fitted to the step log), so that rows arriving meanwhile join it.
-        None where nothing runs on its own (no step in flight; the CPU, whose forwards run as they are launched) or
-        before the model is fitted: plan now."""
-        fl = self._flight
-        if fl is None or self._coef is None or not fl.timing or isinstance(fl.timing[0], float):
-            return None
-        pieces, _, padded, longest, pairs = fl.timing[2]
-        ms = float(np.dot(self._coef, cost_terms(pieces, padded, longest, pairs)))
-        return fl.began + ms / 1e3 - LEAD_S
-
-    def _fit(self) -> None:
-        """The device-time model fitted to the step log (least squares, no negative coefficient)."""
-        rows = list(self.log)
-        X = np.array([cost_terms(p, pad, lg, pr) for p, _, pad, lg, pr, _ in rows])
-        y = np.array([r[-1] for r in rows])
-        coef = np.maximum(np.linalg.lstsq(X, y, rcond=None)[0], 0.0)
-        self._coef, self._fitted_at = coef, self._logged
 
     def _launch(self) -> tuple["_Flight | None", list]:
         """Plan a step, bring its restores to the device (pinned until it is done), and launch its forwards (their
@@ -332,7 +299,7 @@ class Steps:
         self.stats["tokens"] += step.tokens
         reads: list = []
         padded = self.runner.stats["padded_tokens"]
-        start, began = self._mark(), time.perf_counter()
+        start = self._mark()
         for failed, error in self._run(items, reads):
             out.append(self._fail(failed, error))
         end = self._mark()
@@ -340,7 +307,7 @@ class Steps:
         shape = (len(step.pieces), step.tokens, self.runner.stats["padded_tokens"] - padded,
                  max(pc.tokens for pc in step.pieces),
                  round(sum(attn_pairs(pc.start, pc.tokens) for pc in step.pieces) / 1e6, 4))
-        return _Flight(step, reads, pinned, (start, end, shape), began), out
+        return _Flight(step, reads, pinned, (start, end, shape)), out
 
     def _finish(self, flight: "_Flight") -> list[tuple[object, Answer | RowFailed]]:
         """A launched step's end: its answers read (waiting for the device), the scheduler told, the rows it finished
@@ -364,7 +331,6 @@ class Steps:
                         live.probs[j] = probs[b, k, : n_options(opts)].tolist()
         t1 = time.perf_counter()
         sec["read"] += t1 - t0
-        flight.ended = t1
         self._log(flight)
         for fin in self.sched.done(flight.step):
             live = self.live.pop(fin.row.rid)
@@ -417,9 +383,6 @@ class Steps:
                 log.debug("a step's device time could not be read: %s", e)
                 return
         self.log.append((*shape, round(ms, 3)))
-        self._logged += 1
-        if len(self.log) >= FIT_STEPS and self._logged - self._fitted_at >= FIT_STEPS:
-            self._fit()
 
     def _unpin(self, flight: "_Flight") -> None:
         for c in flight.pinned:

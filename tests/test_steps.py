@@ -307,33 +307,3 @@ def test_states_longer_than_a_pieces_span_are_cached_through_the_step():
     assert res[1]["reused"] == eng.cache.state_end(1500) and res[3]["reused"] == eng.cache.state_end(2100)
     assert eng.phases["step_rows"] == 4
     check(eng, rows, res)
-
-
-def test_the_step_loop_fits_its_device_time_and_plans_shortly_before_a_step_in_flight_ends():
-    """Steps fits statecache.step.cost_terms to its own log (least squares, refitted every FIT_STEPS steps) and says
-    when the next step should be planned: LEAD_S before the step on the device is expected to end; never where
-    nothing runs on its own (nothing in flight, or the CPU, whose forwards run as they are launched)."""
-    from statecache.step import FIT_STEPS, LEAD_S, _Flight, cost_terms
-
-    st_ = Engine().steps
-    assert st_.launch_at() is None
-    coef = np.array([2.0, 0.02, 0.9, 0.3, 1.1])
-    rng = np.random.default_rng(0)
-
-    def shape():
-        return (int(rng.integers(1, 16)), 0, int(rng.choice([512, 1024, 1536, 2048])), int(rng.integers(64, 513)),
-                float(rng.uniform(0, 6)))
-
-    for k in range(FIT_STEPS):
-        assert st_._coef is None  # not before FIT_STEPS steps are logged
-        s = shape()
-        ms = float(coef @ cost_terms(s[0], s[2], s[3], s[4]))
-        st_._log(_Flight(None, [], [], (1.0, 1.0 + ms / 1e3, s)))  # the CPU's timing: perf_counter seconds
-    assert np.allclose(st_._coef, coef, rtol=1e-3, atol=1e-3)  # (the log keeps microseconds)
-    s = shape()
-    st_._flight = _Flight(None, [], [], (1.0, 2.0, s), began=50.0)
-    assert st_.launch_at() is None  # the CPU's step ran as it was launched
-    st_._flight = _Flight(None, [], [], (object(), object(), s), began=50.0)  # a CUDA step in flight
-    want = 50.0 + float(st_._coef @ cost_terms(s[0], s[2], s[3], s[4])) / 1e3 - LEAD_S
-    assert st_.launch_at() == pytest.approx(want, abs=1e-9)
-    st_._flight = None

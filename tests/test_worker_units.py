@@ -4,7 +4,6 @@ functions, the worker's serialiser pair, the metrics."""
 import asyncio
 import pickle
 import threading
-import time
 
 import pytest
 from arq.worker import Retry
@@ -73,44 +72,6 @@ def test_rows_wait_on_one_thread_and_come_back_in_order(engine):
     assert gpu.counters["batches"] == 2 and gpu.counters["largest_batch"] == 6
     direct = Engine()
     assert results[3]["probs"][0] == pytest.approx(direct.answer([row(102, 2)])[0]["probs"][0], abs=1e-5)
-
-
-class PacedEngine(GatedEngine):
-    """The real engine, with a step on the device that ends `window_s` after the GPU thread first asks when to plan
-    the next (`step_at`; on the CPU the engine's own says "now": its forwards run as they are launched)."""
-
-    def __init__(self, inner, window_s: float):
-        super().__init__(inner)
-        self.__dict__.update(window_s=window_s, asked=threading.Event())
-
-    def step_at(self):
-        if self.asked.is_set():
-            return None
-        self.asked.set()
-        return time.perf_counter() + self.window_s
-
-
-def test_rows_arriving_while_a_step_runs_join_the_next_step_together(engine):
-    paced = PacedEngine(engine, window_s=1.0)
-    gpu = started(paced)
-    page = {"ids": [7] * 3000 + [11], "state_len": 3000, "slots": [3000], "nopts": [3]}  # several steps of 512
-
-    async def main():
-        first = asyncio.ensure_future(gpu.answer(page))
-        for _ in range(500):
-            if paced.asked.is_set():
-                break
-            await asyncio.sleep(0.01)
-        assert paced.asked.is_set(), "the GPU thread never asked when to plan the next step"
-        second = asyncio.ensure_future(gpu.answer(row(401)))
-        await asyncio.sleep(0.2)  # the thread is waiting for the step's end: it takes both rows then, not one
-        third = asyncio.ensure_future(gpu.answer(row(402)))
-        return await asyncio.gather(first, second, third)
-
-    results = run(main())
-    assert gpu.stop(5)
-    assert [n for n, _ in paced.calls] == [1, 2]
-    assert [r["path"] for r in results] == ["cold", "cold", "cold"]
 
 
 def test_waiting_rows_reach_the_engine(engine):

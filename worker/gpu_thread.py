@@ -3,8 +3,8 @@
 Jobs `submit(row)` and await the returned `Ticket`: `reached` resolves when the thread hands the row to the engine
 (the row has reached the model), `result` with the row's result. The thread builds the engine itself (so every CUDA
 call, graph capture included, happens on this one thread) and only then reports itself started; then it loops, a
-step at a time (nano-vllm's `step()`): take what is ready here (up to `max_batch_rows`; while the engine has rows in
-its schedule, no later than its `step_at`: shortly before the step on the device ends), hand it to the engine (`engine.submit(rows, tickets, waiting_rows=N)`, N being the
+step at a time (nano-vllm's `step()`): take what is ready here (up to `max_batch_rows`, without waiting while the
+engine has rows in its schedule), hand it to the engine (`engine.submit(rows, tickets, waiting_rows=N)`, N being the
 rows waiting beyond it: `waiting(pending)`, the ready jobs in Redis nobody took plus the rows queued here), resolve
 what it answered at once (bad rows, memo answers, rows of its other paths), run one step (`engine.step()`) and
 resolve the rows it finished, each from the thread with `loop.call_soon_threadsafe`. Scheduling (which pieces of
@@ -34,7 +34,6 @@ from statecache.protocol import error_result
 log = logging.getLogger("statecache.worker")
 
 MAX_BATCH_ROWS = 1024  # at most this many rows in one engine call
-MAX_WAIT_S = 0.25  # the longest the thread waits for the running step's end before planning the next (a bound on a bad estimate)
 
 
 class Stopping(RuntimeError):
@@ -196,24 +195,12 @@ class GpuThread:
                 _settle(t.loop, t.result, cancel=True)  # the job is re-queued by arq, not answered with an error
 
     def _take(self) -> list[Ticket] | None:
-        """What is ready here (while the engine has rows in its schedule, by its `step_at` and not waiting for rows
-        past it); None: stop now."""
+        """What is ready here (nothing waited for while the engine has rows in its schedule); None: stop now."""
         with self._cv:
             while not self._items and not self._scheduled and not self._stopping:
                 self._cv.wait()
             if self._stopping and not self._scheduled:
                 return None
-            # with a step running on the device, the next is planned shortly before it ends (the engine's `step_at`):
-            # the rows arriving meanwhile (the next rows of the agents it just answered among them) join it
-            at = self._scheduled and getattr(self.engine, "step_at", None)
-            at = at() if at else None
-            if at is not None:
-                at = min(at, time.perf_counter() + MAX_WAIT_S)
-            while at is not None and not self._stopping:
-                left = at - time.perf_counter()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
             batch = []
             while self._items and len(batch) < self._max_batch_rows and not self._stopping:
                 batch.append(self._items.popleft())
