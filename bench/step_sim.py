@@ -221,12 +221,14 @@ class Agents:
 
 
 def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chunk: int,
-              max_piece: int | None = None, pipelined: bool = False, lead_s: float | None = None) -> dict:
+              max_piece: int | None = None, pipelined: bool = False, lead_s: float | None = None,
+              busy_budget: tuple[int, int] | None = None) -> dict:
     """The scheduler's steps back to back. pipelined: as statecache.step runs them, the next step is planned (from
     the rows arrived by then) as soon as this one is launched, and runs right after it, so a row arriving while a
     step runs joins the step after the next one; else the next step is planned when this one has ended. lead_s
     (pipelined): the next step is planned this long before this one ends instead (the time its planning and launch
-    take), so rows arriving while this one runs join it."""
+    take), so rows arriving while this one runs join it. busy_budget (tokens, rows): a step planned while the scheduler
+    holds at least that many rows gets that budget instead (a worker backed up trades latency for fuller steps)."""
     layout = Layout.from_settings()
     view = make_view(layout)
     sched = Scheduler(view, layout, budget_tokens=budget, chunk_tokens=chunk, max_piece=max_piece)
@@ -241,6 +243,8 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
             fork = view.index.fork_point(r.ids, p, found.pos if found is not None else 0)[1]
             r.forks = (fork,) if fork else ()
             sched.add(r, found)
+        if busy_budget is not None:
+            sched.budget_tokens = busy_budget[0] if sched.pending() >= busy_budget[1] else budget
         return sched.plan()
 
     cur = take_and_plan(t)
@@ -396,6 +400,9 @@ def main(argv=None) -> int:
     ap.add_argument("--intake-ms", type=float, default=0.0,
                     help="with --max-jobs: an answered row's place takes the next row queued in Redis this much later "
                          "(arq's result and poll, the job's start, the row's hand-over to the GPU thread)")
+    ap.add_argument("--busy-budget", default=None, metavar="TOKENS@ROWS",
+                    help="steps: a step planned while the scheduler holds at least ROWS rows gets a budget of TOKENS "
+                         "(e.g. 3072@20 with --max-jobs 32: 2048-token steps at 16 agents, 3072 when 64 queue)")
     ap.add_argument("--policies", default="today,steps", help="which of today,steps to run")
     ap.add_argument("--max-jobs", type=int, default=0,
                     help="rows the worker takes from Redis at once, the rest waiting there in order (the worker's "
@@ -434,6 +441,7 @@ def main(argv=None) -> int:
         print(f"| {src} | {k} | {t} | {ms:.2f} | {pred:.2f} | {err:+.1f}% |")
     out = {"fit": {"coef": model.coef, "host": model.hcoef, "points": errors}, "runs": []}
     policies = args.policies.split(",")
+    busy_budget = None if args.busy_budget is None else tuple(int(x) for x in args.busy_budget.split("@"))
     configs = [("today", None, None)] * ("today" in policies) + [
         ("steps", B, C) for B in map(int, args.budgets.split(",")) for C in map(int, args.chunks.split(","))
         if C <= B and "steps" in policies]
@@ -448,7 +456,7 @@ def main(argv=None) -> int:
             model.turn_ms = args.turn_ms if policy == "today" else args.step_turn_ms
             info = run_today(agents, model, args.seconds) if policy == "today" else \
                 run_steps(agents, model, args.seconds, B, C, args.max_piece, args.pipelined,
-                          None if args.lead_ms is None else args.lead_ms / 1e3)
+                          None if args.lead_ms is None else args.lead_ms / 1e3, busy_budget)
             s = summary(agents, args.warmup_s, args.seconds, info["busy_s"], info["end_s"])
             s.update(agents=n, policy=policy, budget=B, chunk=C, sim_s=round(time.perf_counter() - t0, 1),
                      turn_ms=model.turn_ms, tokens_per_step=round(info.get("tokens_per_step", 0)),

@@ -162,3 +162,21 @@ def test_the_simulator_fits_its_cost_model_to_the_steps_a_worker_logged(tmp_path
     assert [round(c, 6) for c in model.coef] == [2.0, 0.03, 0.2, 0.5, 0.3] and model.padded
     assert abs(model.graph_ms([(0, 200), (4000, 50)]) - (2.0 + 0.03 * 256 + 0.4 + 0.5 * (200 * 100 + 50 * 4025) / 1e6
                                                          + 0.3 * 4)) < 1e-9  # 250 tokens: the 256 bucket
+
+
+def test_the_simulators_busy_budget_gives_fuller_steps_only_while_the_scheduler_holds_that_many_rows():
+    """step_sim --busy-budget TOKENS@ROWS: a step planned while the scheduler holds at least ROWS rows gets TOKENS;
+    with ROWS beyond what the agents can send the steps are those of the plain budget, with ROWS 1 they are fuller."""
+    _bench()
+    spec = importlib.util.spec_from_file_location("step_sim", ROOT / "bench" / "step_sim.py")
+    S = importlib.util.module_from_spec(spec)
+    sys.modules["step_sim"] = S
+    spec.loader.exec_module(S)
+    model, _ = S.fit()
+
+    def per_step(busy):
+        agents = S.Agents(16, S.trace_seed(0, 0), 0.02, 16)
+        return S.run_steps(agents, model, 6.0, 1024, 512, 512, True, busy_budget=busy)["tokens_per_step"]
+
+    plain, never, always = per_step(None), per_step((3072, 10**6)), per_step((3072, 1))
+    assert never == plain and always > 1.2 * plain, (plain, never, always)
