@@ -274,11 +274,16 @@ class Steps:
         """Launch the next step, then finish the one launched before it -> (key, Answer or RowFailed) for each row
         that finished or failed. The next step is planned and launched before the previous one's answers are read
         (the scheduler plans ahead of `done`), so the device runs one step while the host prepares the next and
-        delivers the last; a call with nothing new to launch finishes what is in flight."""
+        delivers the last; a call with nothing new to launch finishes what is in flight. Then the cache's budget is
+        enforced, over what the rows in the schedule now hold beside it too (`held_bytes`)."""
         flight, out = self._launch()
         prev, self._flight = self._flight, flight
         if prev is not None:
             out += self._finish(prev)
+        t0 = time.perf_counter()
+        self.cache.index.held_bytes = self.held_bytes()
+        self.cache.stats["evicted"] += len(self.cache.index.evict())
+        self.seconds["evict"] += time.perf_counter() - t0
         return out
 
     def _launch(self) -> tuple["_Flight | None", list]:
@@ -311,9 +316,9 @@ class Steps:
 
     def _finish(self, flight: "_Flight") -> list[tuple[object, Answer | RowFailed]]:
         """A launched step's end: its answers read (waiting for the device), the scheduler told, the rows it finished
-        returned, its restores unpinned, the cache's budget enforced. A forward whose answers cannot be read gives
-        its rows back (`retry`: the engine schedules them again) before the scheduler is told; the step's other
-        forwards stand."""
+        returned, its restores unpinned (`step` then enforces the cache's budget). A forward whose answers cannot be
+        read gives its rows back (`retry`: the engine schedules them again) before the scheduler is told; the step's
+        other forwards stand."""
         sec, t0 = self.seconds, time.perf_counter()
         out: list = []
         for items, wait in flight.reads:
@@ -352,11 +357,7 @@ class Steps:
                 st["tokens_computed"] += fin.computed + live.earlier
             out.append((live.key, Answer(live.probs, fin.path, fin.reused, fin.computed + live.earlier, route)))
         self._unpin(flight)
-        t2 = time.perf_counter()
-        sec["done"] += t2 - t1
-        self.cache.index.held_bytes = self.held_bytes()
-        self.cache.stats["evicted"] += len(self.cache.index.evict())
-        sec["evict"] += time.perf_counter() - t2
+        sec["done"] += time.perf_counter() - t1
         return out
 
     def _mark(self):
