@@ -8,6 +8,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _step_sim():
+    """bench/step_sim.py as a module (with load_bench, whose trace it replays)."""
+    _bench()
+    spec = importlib.util.spec_from_file_location("step_sim", ROOT / "bench" / "step_sim.py")
+    S = importlib.util.module_from_spec(spec)
+    sys.modules["step_sim"] = S
+    spec.loader.exec_module(S)
+    return S
+
+
 def _bench():
     spec = importlib.util.spec_from_file_location("load_bench", ROOT / "bench" / "load_bench.py")
     mod = importlib.util.module_from_spec(spec)
@@ -122,11 +132,7 @@ def test_the_simulator_plants_fork_points_as_the_engine_does():
     steps restores the agent's shared head from the checkpoint planted where an earlier new page left it (the fork
     point, statecache.cache.index.CheckpointIndex.fork_point), as the engine does, so hardly a row is cold beside the agents' first
     visits (here 8 of 1,578 rows; without the fork points 134 of 1,255)."""
-    _bench()
-    spec = importlib.util.spec_from_file_location("step_sim", ROOT / "bench" / "step_sim.py")
-    S = importlib.util.module_from_spec(spec)
-    sys.modules["step_sim"] = S
-    spec.loader.exec_module(S)
+    S = _step_sim()
     model, _ = S.fit()
     agents = S.Agents(4, S.trace_seed(0, 0), 0.02, 16)
     S.run_steps(agents, model, 20.0, 2048, 512, 512, True)
@@ -141,11 +147,7 @@ def test_the_simulator_fits_its_cost_model_to_the_steps_a_worker_logged(tmp_path
     charges token buckets and the longest piece's chain."""
     import json
 
-    _bench()
-    spec = importlib.util.spec_from_file_location("step_sim", ROOT / "bench" / "step_sim.py")
-    S = importlib.util.module_from_spec(spec)
-    sys.modules["step_sim"] = S
-    spec.loader.exec_module(S)
+    S = _step_sim()
     from statecache.step import STEP_LOG_FIELDS
 
     rng = random.Random(3)
@@ -167,11 +169,7 @@ def test_the_simulator_fits_its_cost_model_to_the_steps_a_worker_logged(tmp_path
 def test_the_simulators_busy_budget_gives_fuller_steps_only_while_the_scheduler_holds_that_many_rows():
     """step_sim --busy-budget TOKENS@ROWS: a step planned while the scheduler holds at least ROWS rows gets TOKENS;
     with ROWS beyond what the agents can send the steps are those of the plain budget, with ROWS 1 they are fuller."""
-    _bench()
-    spec = importlib.util.spec_from_file_location("step_sim", ROOT / "bench" / "step_sim.py")
-    S = importlib.util.module_from_spec(spec)
-    sys.modules["step_sim"] = S
-    spec.loader.exec_module(S)
+    S = _step_sim()
     model, _ = S.fit()
 
     def per_step(busy):
