@@ -142,8 +142,8 @@ class Engine:
             raise ValueError(f"batch {batch}: the step loop runs at least one sequence a forward")
         # the step loop's runner takes rows up to the longest a row may be (its key span only sizes kernel splits);
         # its forwards hold at most a step's tokens (a question piece longer than the step runs alone: a longest piece)
-        self.runner = self._batch_runner(max(4, settings.max_slots), batch, max_row_tokens,
-                                         bucket(max(step_tokens, MAX_PIECE), TOKENS) or max(step_tokens, MAX_PIECE))
+        top = max(step_tokens, MAX_PIECE)
+        self.runner = self._batch_runner(max(4, settings.max_slots), batch, max_row_tokens, bucket(top, TOKENS) or top)
         st = self.runner.st
         self.cache = StateCache(settings, self.device, checkpoint_bytes=st.checkpoint_bytes(),
                                 position_bytes=st.position_bytes())

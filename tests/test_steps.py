@@ -266,9 +266,10 @@ def test_answers_that_cannot_be_read_give_their_rows_back_and_change_no_answer(s
 
 def test_after_a_step_raises_and_the_schedule_is_cleared_later_rows_are_answered():
     """A step raising past its own isolation (here device memory running out in a forward and again while the cache
-    gives memory back, with a step in flight behind it) makes the worker give up the schedule (`Engine.clear_schedule`, as worker.gpu_thread does):
-    every row in it comes back, and the rows submitted after are answered as the plain forward answers them (the
-    scheduler does not wait for the abandoned steps: on an H100 one such failure failed every later step)."""
+    gives memory back, with a step in flight behind it) makes the worker give up the schedule
+    (`Engine.clear_schedule`, as worker.gpu_thread does): every row in it comes back, and the rows submitted after are
+    answered as the plain forward answers them (the scheduler does not wait for the abandoned steps: on an H100 one
+    such failure failed every later step)."""
     eng = fresh(320, 192, 64)
     rng = np.random.default_rng(7)
     first = make_rows([{"op": "new", "of": 0, "new_len": 600, "append": 1, "where": 0.0, "qlen": 5, "slots": 1}] * 3,

@@ -14,9 +14,9 @@ budget cannot keep moves to the host (``demoted``) when it fits there, else it i
 LRU. A group's shared payload is on the device while any of its checkpoints is, and follows the last one to the host.
 ``promote`` brings a host checkpoint (and its group) back to the device, evicting others to the host. Lookup sees
 both tiers (token-exact either way). Moving a payload is the ``tiers`` object's business (``down(payload)`` -> the
-host copy, None when it has no room, False when the copy cannot be made at all (the device's memory ran out), ``up(host payload)`` -> the device copy, ``free(host payload)``); without one a
-payload moves as it is (the bookkeeping alone, for tests and simulations). ``pin``/``unpin``: a checkpoint a row
-already taken will read; eviction passes over pinned checkpoints while unpinned ones remain (a preference: the
+host copy, None when it has no room, False when the copy cannot be made at all (the device's memory ran out);
+``up(host payload)`` -> the device copy, ``free(host payload)``); without one a payload moves as it is (the
+bookkeeping alone, for tests and simulations). ``pin``/``unpin``: a checkpoint a row already taken will read; eviction passes over pinned checkpoints while unpinned ones remain (a preference: the
 budgets are never exceeded). ``shared_depth``: the deepest aligned position to which some live group's tokens equal
 a row's, checkpoint or not (aligned prefix hashes find candidates; tokens decide).
 
@@ -370,7 +370,8 @@ class CheckpointIndex:
         """Drop groups without checkpoints; then move least recently used device checkpoints to the host (drop them
         when the host tier cannot take them) until ``bytes + held_bytes <= budget_bytes`` (pinned ones only while
         ``bytes`` alone is over), and drop least recently used host checkpoints until ``host_bytes <=
-        host_budget_bytes`` (a group goes with its last checkpoint). Pinned checkpoints go last. Returns the dropped checkpoints (either tier), least recent first."""
+        host_budget_bytes`` (a group goes with its last checkpoint). Pinned checkpoints go last. Returns the dropped
+        checkpoints (either tier), least recent first."""
         for g in [g for g in self._groups if not g.ckpts]:
             self._drop_group(g)
         out: list[Checkpoint] = []
