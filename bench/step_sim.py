@@ -227,11 +227,14 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
     the rows arrived by then) as soon as this one is launched, and runs right after it, so a row arriving while a
     step runs joins the step after the next one; else the next step is planned when this one has ended. lead_s
     (pipelined): the next step is planned this long before this one ends instead (the time its planning and launch
-    take), so rows arriving while this one runs join it. busy_budget (tokens, rows): a step planned while the scheduler
-    holds at least that many rows gets that budget instead (a worker backed up trades latency for fuller steps)."""
+    take), so rows arriving while this one runs join it. busy_budget (tokens, rows): the scheduler's busy_tokens and
+    busy_rows (statecache.sched.steps.Scheduler.budget; the worker's: Settings.step_tokens_busy, three quarters of
+    max_jobs)."""
     layout = Layout.from_settings()
     view = make_view(layout)
-    sched = Scheduler(view, layout, budget_tokens=budget, chunk_tokens=chunk, max_piece=max_piece)
+    busy_tokens, busy_rows = busy_budget or (None, None)
+    sched = Scheduler(view, layout, budget_tokens=budget, chunk_tokens=chunk, max_piece=max_piece,
+                      busy_tokens=busy_tokens, busy_rows=busy_rows)
     rows: dict = {}
     t, busy, steps, padded = 0.0, 0.0, 0, 0
 
@@ -243,8 +246,6 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
             fork = view.index.fork_point(r.ids, p, found.pos if found is not None else 0)[1]
             r.forks = (fork,) if fork else ()
             sched.add(r, found)
-        if busy_budget is not None:
-            sched.budget_tokens = busy_budget[0] if sched.pending() >= busy_budget[1] else budget
         return sched.plan()
 
     cur = take_and_plan(t)
@@ -402,7 +403,7 @@ def main(argv=None) -> int:
                          "(arq's result and poll, the job's start, the row's hand-over to the GPU thread)")
     ap.add_argument("--busy-budget", default=None, metavar="TOKENS@ROWS",
                     help="steps: a step planned while the scheduler holds at least ROWS rows gets a budget of TOKENS "
-                         "(e.g. 3072@20 with --max-jobs 32: 2048-token steps at 16 agents, 3072 when 64 queue)")
+                         "(Scheduler.budget; the worker's default: 3072@18 with --max-jobs 24)")
     ap.add_argument("--policies", default="today,steps", help="which of today,steps to run")
     ap.add_argument("--max-jobs", type=int, default=0,
                     help="rows the worker takes from Redis at once, the rest waiting there in order (the worker's "

@@ -86,13 +86,14 @@ class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, *,
                  settings: CacheSettings | None = None, specialists=None, cold_ok: ColdPolicy | None = None,
                  compile: bool | None = None, precapture: bool = False, batch: int = 64,
-                 max_row_tokens: int = MAX_ROW_TOKENS, step_tokens: int = BUDGET_TOKENS, step_chunk: int = CHUNK_TOKENS):
+                 max_row_tokens: int = MAX_ROW_TOKENS, step_tokens: int = BUDGET_TOKENS, step_chunk: int = CHUNK_TOKENS,
+                 busy_tokens: int | None = None):
         """The model (a checkpoint folder; default: the built-in tiny model) on `device` in `dtype`; the cache as
         `settings` says (its budget None, the default: sized from the device's free memory once the forwards are in
         place); a specialists folder; the policy for which new states are planted; torch.compile of the elementwise
         kernels (default: on CUDA) and CUDA graphs captured before serving; the step loop's shape (sequences a
-        forward, longest row, tokens a step, a new page's chunk). `from_settings` builds it from the service's
-        `Settings`."""
+        forward, longest row, tokens a step, a new page's chunk; `busy_tokens`: a step's tokens while the engine holds
+        most of `batch` rows, statecache.step.Steps). `from_settings` builds it from the service's `Settings`."""
         if model_dir is None:
             from statecache.dev.tiny import tiny_model_dir
 
@@ -142,7 +143,7 @@ class Engine:
             raise ValueError(f"batch {batch}: the step loop runs at least one sequence a forward")
         # the step loop's runner takes rows up to the longest a row may be (its key span only sizes kernel splits);
         # its forwards hold at most a step's tokens (a question piece longer than the step runs alone: a longest piece)
-        top = max(step_tokens, MAX_PIECE)
+        top = max(step_tokens, busy_tokens or 0, MAX_PIECE)
         self.runner = self._batch_runner(max(4, settings.max_slots), batch, max_row_tokens, bucket(top, TOKENS) or top)
         st = self.runner.st
         self.cache = StateCache(settings, self.device, checkpoint_bytes=st.checkpoint_bytes(),
@@ -176,7 +177,8 @@ class Engine:
                        "retried": 0, "split": 0}
         # wall seconds of `step` calls, the rows they finished, this thread's CPU seconds in them and steps launched
         self.phases = {"step_s": 0, "step_rows": 0, "step_cpu_s": 0, "steps": 0}
-        self.steps = Steps(self.cache, self.runner, self.cold_ok, budget_tokens=step_tokens, chunk_tokens=step_chunk)
+        self.steps = Steps(self.cache, self.runner, self.cold_ok, budget_tokens=step_tokens, chunk_tokens=step_chunk,
+                           busy_tokens=busy_tokens, rows_held=batch)
         self._flight: dict = {}  # memo key of a scheduled row -> the tags waiting for it (the first is its own)
         self._wholes: dict = {}  # a split row's key -> its _Whole (its parts in the schedule: `_schedule`)
         self._retried: dict = {}  # key of a row given back -> its tries so far (`step`)
@@ -228,7 +230,7 @@ class Engine:
             model = tiny_model_dir(s.home)
         args = dict(settings=s.cache_settings(), compile=s.compile, precapture=s.precapture,
                     cold_ok=load_policy(s.cold_ok), specialists=s.specialists, batch=s.step_sequences,
-                    step_tokens=s.step_tokens)
+                    step_tokens=s.step_tokens, busy_tokens=s.step_tokens_busy)
         if s.max_row_tokens is not None:
             args["max_row_tokens"] = s.max_row_tokens
         return cls(model, s.device, s.dtype, **{**args, **kw})

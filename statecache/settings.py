@@ -49,15 +49,17 @@ class Settings:
     batch: int = _f(64, "STATECACHE_BATCH", "most sequences (rows' pieces) one step's forward runs, at least 1 (a worker's never more than max_jobs)")
     max_row_tokens: int | None = _f(None, "STATECACHE_MAX_ROW_TOKENS", "longest row accepted, in tokens (default: the engine's)")
     step_tokens: int = _f(2048, "STATECACHE_STEP_TOKENS", "tokens one engine step runs at most (hits, grown states and new pages' chunks together): larger steps give more rows/s on a busy GPU, smaller ones answer hits sooner")
+    step_tokens_busy: int = _f(3072, "STATECACHE_STEP_TOKENS_BUSY", "tokens a step runs at most while the engine holds three quarters of the rows a worker takes (max_jobs) or more: rows queue, and fuller steps answer more of them a second (a value below step_tokens counts as step_tokens)")
     # --- the state cache
     cache_mb: int | None = _f(None, "STATECACHE_CACHE_MB", "state cache budget in MiB; 0 turns the cache off (default: from the device)")
     cache_fraction: float = _f(CacheSettings.fraction, "STATECACHE_CACHE_FRACTION", "share of free device memory the cache may take when CACHE_MB is unset")
     host_cache_mb: int | None = _f(None, "STATECACHE_HOST_CACHE_MB", "host-memory tier for the states the device budget cannot keep, in MiB (on cuda pinned in 256 MiB slabs, one registered beside each forward after start-up, and kept); 0 turns it off (default: half the host's MemAvailable, at most 256 GiB; logged at start-up)")
     cache_stride: int = _f(CacheSettings.stride, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
     # --- the worker
-    # 16: a worker holding more rows than a step serves answers its hits first and starves new pages (64 agents on
-    # an H100: p99 1.8 s at 16, 3.3 s at 32, the same rows/s; bench/README.md "The worker's intake")
-    max_jobs: int = _f(16, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
+    # 24: with steps of step_tokens_busy from 18 rows held, 64 agents 70.7 rows/s and p99 2.1 s in the simulator
+    # against 67.3 at 16 (bench/README.md, session 51); more rows than steps serve answer hits first and starve new
+    # pages (64 agents on an H100 with fixed 2048-token steps: p99 1.8 s at 16, 3.3 s at 32, the same rows/s)
+    max_jobs: int = _f(24, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
     poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "the routers poll the agents' queue, and arq each worker's own queue, this often (a job producer.Client enqueues wakes the routers at once)")
     job_timeout_s: float = _f(JOB_TIMEOUT_S, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")
     drain_s: float = _f(30.0, "STATECACHE_DRAIN_S", "on SIGTERM: finish rows in flight for up to this long, then exit")

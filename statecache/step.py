@@ -51,6 +51,9 @@ log = logging.getLogger("statecache.step")
 
 BUDGET_TOKENS = 2048  # tokens a step holds (bench/step_sim.py's choice for the 9B shape on an H200: bench/README.md)
 CHUNK_TOKENS = 1024  # the most a new page advances in one step (capped at the batched runner's longest piece)
+# steps run the busy budget (Settings.step_tokens_busy) while the schedule holds this share of the rows a worker takes
+# or more (18 of 24: 64 agents +5% rows/s in bench/step_sim.py, 16 agents, who never fill it, as they were)
+BUSY_SHARE = 0.75
 STEP_LOG = 1024  # the last steps `Steps.log` keeps
 # a logged step: its pieces, their tokens, the tokens its forwards ran (token buckets), its longest piece, its attention
 # query-key pairs in millions (each piece L * (start + L / 2)), and its device milliseconds (CUDA events around its
@@ -166,7 +169,9 @@ class CacheView:
 
 class Steps:
     def __init__(self, cache: StateCache, runner, cold_ok=None, *, budget_tokens: int = BUDGET_TOKENS,
-                 chunk_tokens: int = CHUNK_TOKENS):
+                 chunk_tokens: int = CHUNK_TOKENS, busy_tokens: int | None = None, rows_held: int | None = None):
+        """budget_tokens: a step's tokens; busy_tokens: its tokens while the schedule holds BUSY_SHARE of rows_held
+        rows or more (default: the runner's sequences); both at most the runner's tokens."""
         self.cache, self.runner = cache, runner
         self.spec = runner.spec  # specialists: each row runs with a route (see `add` and `_finish`)
         snapshots = runner.max_snaps > 0  # (none with specialists: their checkpoints need the feature sum there too)
@@ -174,11 +179,16 @@ class Steps:
         chunk = min(chunk_tokens, runner.max_piece)
         chunk -= chunk % a
         budget = min(budget_tokens, runner.max_tokens)
+        busy = busy_rows = None
+        if busy_tokens is not None and min(busy_tokens, runner.max_tokens) > budget:
+            busy = min(busy_tokens, runner.max_tokens)
+            busy_rows = max(1, int(BUSY_SHARE * (rows_held or runner.max_batch)))
         self.view = CacheView(cache, self._planted)
         self.sched = Scheduler(self.view, Layout.from_settings(cache.s), budget_tokens=budget,
                                chunk_tokens=chunk, max_seqs=runner.max_batch, cold_ok=cold_ok,
                                max_plants_piece=SNAPS_PER_PIECE if snapshots else 1, max_piece=runner.max_piece,
-                               max_slots=runner.max_slots, snapshots=snapshots)
+                               max_slots=runner.max_slots, snapshots=snapshots, busy_tokens=busy,
+                               busy_rows=busy_rows)
         self.live: dict[int, _Live] = {}
         self._rid = 0
         st = runner.st

@@ -615,13 +615,18 @@ def test_score_timings_count_every_answered_row_by_path(monkeypatch, capsys):
 
 
 def test_the_workers_runner_takes_only_the_shapes_its_steps_can_have():
-    """A worker's forwards hold at most a step's tokens (a longest piece where the step is shorter) and at most the
-    rows it holds (max_jobs): no graph is captured for more (Settings.step_sequences)."""
+    """A worker's forwards hold at most a busy step's tokens (a longest piece where the step is shorter) and at most
+    the rows it holds (max_jobs, up to the graph bucket that holds them): no graph is captured for more
+    (Settings.step_sequences); its steps take the busy budget from three quarters of those rows."""
     from statecache.settings import Settings
 
     s = Settings.from_env({}).replace(device="cpu")
-    r = Engine.from_settings(s).runner
-    assert r.max_batch == s.step_sequences == min(s.batch, s.max_jobs) and r.max_tokens == s.step_tokens
-    assert len(r.keys()) == 100 and all(B <= r.max_batch and T <= s.step_tokens for B, T, _ in r.keys())
-    e = Engine.from_settings(s.replace(step_tokens=300, max_jobs=40))
-    assert (e.runner.max_batch, e.runner.max_tokens, e.steps.sched.budget_tokens) == (32, 512, 300)
+    e = Engine.from_settings(s)
+    r = e.runner
+    assert s.step_sequences == min(s.batch, s.max_jobs) == 24 and r.max_batch == 32
+    assert r.max_tokens == s.step_tokens_busy == 3072
+    assert (e.steps.sched.budget_tokens, e.steps.sched.busy_tokens, e.steps.sched.busy_rows) == (2048, 3072, 18)
+    assert len(r.keys()) == 130 and all(B <= r.max_batch and T <= r.max_tokens for B, T, _ in r.keys())
+    e = Engine.from_settings(s.replace(step_tokens=300, step_tokens_busy=300, max_jobs=40))
+    assert (e.runner.max_batch, e.runner.max_tokens, e.steps.sched.budget_tokens) == (64, 512, 300)
+    assert e.steps.sched.busy_tokens is None  # no larger busy budget: one budget

@@ -367,3 +367,26 @@ def test_plan_is_rejected_out_of_order_and_bad_settings():
     empty.add(Row(2, list(range(300)), 200))
     s3 = empty.plan()
     assert s3.serial == e1.serial and [f.row.rid for f in empty.done(s3)] == [2]
+
+
+def test_steps_take_the_busy_budget_while_the_schedule_holds_that_many_rows():
+    """busy_tokens while busy_rows rows or more are in the schedule (waiting or started), budget_tokens below: new
+    pages fill a step to the budget that holds when it is planned; the two go together and busy_tokens is never the
+    smaller."""
+    layout = Layout(2048, 16, 64)
+    with pytest.raises(ValueError):
+        Scheduler(view_for(layout), layout, budget_tokens=256, busy_tokens=512)
+    with pytest.raises(ValueError):
+        Scheduler(view_for(layout), layout, budget_tokens=256, busy_tokens=128, busy_rows=2)
+    sched = Scheduler(view_for(layout), layout, budget_tokens=256, chunk_tokens=128, busy_tokens=512, busy_rows=3,
+                      cold_ok=lambda ctx: True)
+    pages = [Row(k, [1000 * k + i for i in range(1200)], 1100) for k in range(4)]
+    for r in pages[:2]:
+        sched.add(r)
+    assert sched.budget() == 256 and sched.plan().tokens == 256  # two pages: 128 each
+    sched.add(pages[2])
+    assert sched.budget() == 512
+    step = sched.plan()
+    assert step.tokens == 384 and len(step.pieces) == 3  # three pages, 128 each: under 512, over 256
+    sched.add(pages[3])
+    assert sched.plan().tokens == 512  # four pages fill the busy budget

@@ -15,7 +15,8 @@ The question part runs as one piece [stop, n) unless the runner's limits cut it:
 (cut at multiples of `align`) and at most `max_slots` answer slots a piece (cut at the first slot past them); a
 piece answers the slots inside it, and the row's answer is complete when its last piece has run. A hit whose
 question is one piece is a hit above; one whose question takes several pieces runs with the long computations.
-A step holds at most `budget_tokens` tokens and `max_seqs` pieces (one piece per row: a sequence continues its own
+A step holds at most `budget_tokens` tokens (`busy_tokens` while the scheduler holds `busy_rows` rows or more: where
+rows queue, fuller steps answer more of them a second; `budget`) and `max_seqs` pieces (one piece per row: a sequence continues its own
 state), with one stated exception: a question piece (cut only by the rule above) longer than the whole budget runs
 alone in a step of its own.
 
@@ -161,7 +162,8 @@ class Scheduler:
     def __init__(self, view: CacheView, layout: Layout | None = None, *, budget_tokens: int = 2048,
                  chunk_tokens: int = 1024, max_seqs: int = 64, short_tokens: int | None = None,
                  cold_ok: ColdPolicy | None = None, max_plants_piece: int | None = None,
-                 max_piece: int | None = None, max_slots: int | None = None, snapshots: bool = True):
+                 max_piece: int | None = None, max_slots: int | None = None, snapshots: bool = True,
+                 busy_tokens: int | None = None, busy_rows: int | None = None):
         self.view = view
         self.layout = layout or Layout.from_settings()
         a = self.layout.align
@@ -174,6 +176,11 @@ class Scheduler:
         self.max_piece, self.max_slots = max_piece, max_slots
         self.snapshots = snapshots  # False: a piece plants only at its end (it is cut at its first checkpoint)
         self.budget_tokens, self.chunk_tokens, self.max_seqs = int(budget_tokens), int(chunk_tokens), int(max_seqs)
+        if (busy_tokens is None) != (busy_rows is None) or busy_tokens is not None and (
+                busy_tokens < self.budget_tokens or busy_rows < 1):
+            raise ValueError(f"busy_tokens ({busy_tokens}) and busy_rows ({busy_rows}) go together, busy_tokens >= "
+                             f"budget_tokens ({budget_tokens}) and busy_rows >= 1")
+        self.busy_tokens, self.busy_rows = busy_tokens, busy_rows
         self.short_tokens = self.chunk_tokens if short_tokens is None else int(short_tokens)
         self.cold_ok: ColdPolicy = cold_ok if cold_ok is not None else PlantWhenItFits()
         self.max_plants_piece = max_plants_piece
@@ -211,13 +218,20 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def budget(self) -> int:
+        """The next step's token budget: `busy_tokens` while `busy_rows` rows or more are in the schedule (rows queue:
+        fuller steps, fewer of a step's fixed costs a row), else `budget_tokens` (a light load: hits answered sooner)."""
+        if self.busy_rows is not None and self.pending() >= self.busy_rows:
+            return self.busy_tokens
+        return self.budget_tokens
+
     # ---- one step ------------------------------------------------------------------------------------------------
 
     def plan(self) -> Step:
         """The next step (possibly empty: nothing runnable now; an empty step takes no place in the order `done`
         keeps, and `done` of it does nothing)."""
         step = Step(self._serial + 1)
-        left = self.budget_tokens
+        left = self.budget()
         started: set = set()
         cands = self._candidates()
         for kind, seq, item in cands:
