@@ -636,7 +636,11 @@ def markdown(res: dict) -> str:
             lines += [f"**{k.replace('_', ' ')}**: `{res[k][:500]}`", ""]
     st = res.get("startup", {})
     lines += [f"Worker start-up: {fmt(st.get('spawn_to_ready_s'))} s from process start to ready; weights loaded to "
-              f"ready {fmt(st.get('weights_loaded_to_ready_s'))} s (weight load {fmt(st.get('engine_load_s'))} s).", ""]
+              f"ready {fmt(st.get('weights_loaded_to_ready_s'))} s (weight load {fmt(st.get('engine_load_s'))} s)."]
+    if st.get("engine_parts_s"):
+        lines += ["Its parts: " + ", ".join(f"{k} {fmt(v)} s" for k, v in st["engine_parts_s"].items())
+                  + f"; before the engine (process, imports, Redis) {fmt(st.get('before_engine_s'))} s."]
+    lines += [""]
     eng = res.get("worker", {}).get("engine_at_start", {})
     if isinstance(eng.get("budget"), dict):
         b = eng["budget"]
@@ -866,6 +870,9 @@ def main(argv=None) -> int:
                     st["weights_loaded_to_ready_s"] = round(st["ready_at"] - eng["loaded_at"], 2)
                 if "load_s" in eng:
                     st["engine_load_s"] = eng["load_s"]
+                if "startup_s" in eng:  # the engine's own parts of start-up (Engine.startup_s), in order
+                    st["engine_parts_s"] = eng["startup_s"]
+                    st["before_engine_s"] = round(st["spawn_to_ready_s"] - sum(eng["startup_s"].values()), 2)
             except Exception as e:  # noqa: BLE001 - the score and transformers phases still run
                 res["worker_error"] = f"{type(e).__name__}: {e}"
                 print(f"[load] worker phase failed: {res['worker_error']}", file=sys.stderr, flush=True)

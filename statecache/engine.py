@@ -82,6 +82,22 @@ def _now() -> float:
     return time.monotonic()
 
 
+class _Laps:
+    """Start-up's clock: each call records the seconds since the last one under its name (in `into`)."""
+
+    def __init__(self, into: dict[str, float]):
+        self.into, self.t0 = into, time.perf_counter()
+        self.last = self.t0
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = round(now - self.last, 3)
+        self.last = now
+
+    def total(self) -> float:
+        return self.last - self.t0
+
+
 class Engine:
     def __init__(self, model_dir=None, device: str | None = None, dtype: str | None = None, *,
                  settings: CacheSettings | None = None, specialists=None, cold_ok: ColdPolicy | None = None,
@@ -100,6 +116,9 @@ class Engine:
             model_dir = tiny_model_dir()
         self.model_dir = str(model_dir)
         self.device = torch.device(device or default_device())
+        # seconds of each part of building the engine, in order (logged at the end, in `stats`: where start-up goes)
+        self.startup_s: dict[str, float] = {}
+        lap = _Laps(self.startup_s)
         if self.device.type == "cuda":
             use_persistent_caches()  # before anything compiles or autotunes (from_settings names the home first)
         if dtype is None:
@@ -115,6 +134,7 @@ class Engine:
         self.letter_ids: list[int] = list(ids)  # what a token row's `nopts` reads: the first letters, bare
         # a text row's slots read the letters as the tokenizer writes them there (" A" after a cue): found once, checked
         self.answer_tokens = answer_tokens(self.tokenizer)
+        lap("tokenizer")
         t0 = time.perf_counter()
         # specialists (a folder, statecache.model.specialists.folder): checked in full before the model's weights load
         self.specialists = None if specialists is None else load_specialists(
@@ -128,6 +148,7 @@ class Engine:
                                  f"nothing else holds, or a larger one ({str(e).splitlines()[0][:300]})") from None
         self.load_s = time.perf_counter() - t0
         self.loaded_at = time.time()  # wall clock: start-up is measured from here (bench/load_bench.py)
+        lap("weights")
         self.model = Qwen35(weights)
         if compile is None:  # fused elementwise kernels on the GPU (measured on an H200, 9B shape: bench/README.md)
             compile = self.device.type == "cuda"
@@ -135,6 +156,7 @@ class Engine:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         self.kernels = kernels_for(self.device, compile)
+        lap("compile")
         settings = settings or CacheSettings()
         if settings.align % CHUNK:
             raise ValueError(f"the cache's alignment {settings.align} must be a multiple of {CHUNK} (the delta rule's "
@@ -152,11 +174,13 @@ class Engine:
         from statecache.rows.images import ImageSupport
 
         self.images = ImageSupport.for_model(self.model_dir, self.tokenizer)
+        lap("runner")
         self.precapture_info = None
         if precapture and self.runner.use_graphs:
             self.precapture_info = {"batch": self.runner.precapture()}
             log.info("precaptured %d batch graphs in %.1f s", self.precapture_info["batch"]["graphs"],
                      self.precapture_info["batch"]["seconds"])
+        lap("precapture")
         # image rows: the vision tower loads before the cache's budget is sized from the memory left
         self.embeddings = None
         if self.images is not None:
@@ -184,6 +208,9 @@ class Engine:
         self._retried: dict = {}  # key of a row given back -> its tries so far (`step`)
         if self.cache.host is not None:  # start-up's captures are done: the host tier prepares its slabs meanwhile
             self.cache.host.start()
+        lap("budget")
+        log.info("engine built in %.1f s (%s)", lap.total(),
+                 ", ".join(f"{name} {sec:.1f} s" for name, sec in self.startup_s.items()))
 
     def _size_cache(self, settings: CacheSettings, largest: int) -> Budget:
         """The cache's bound (statecache.cache.budget): the settings' figure, else on CUDA a fraction of the memory free
@@ -524,7 +551,7 @@ class Engine:
         c = self.cache.info()
         spec = {} if self.specialists is None else {"mispredict": c["mispredict"], "specialists": self.specialists.info()}
         return {**spec, **{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "load_s": round(self.load_s, 3),
-                "loaded_at": self.loaded_at, "precapture": self.precapture_info, "hits": c["hits"],
+                "loaded_at": self.loaded_at, "startup_s": dict(self.startup_s), "precapture": self.precapture_info, "hits": c["hits"],
                 "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
                 "batch": dict(self.runner.stats, failed=self.runner.failures[:3]),

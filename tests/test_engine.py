@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import sys
 
 import numpy as np
@@ -578,6 +579,18 @@ def test_stats_say_where_the_engine_spent_its_time(engine):
     assert ph["step_rows"] == 4 and ph["steps"] == 5
     st = eng.stats()["steps"]
     assert st["steps"] == 5 and st["pieces"] == 6 and st["failed"] == 0
+
+
+def test_stats_say_where_start_up_went(engine, caplog):
+    """Engine.startup_s: the seconds of each part of building the engine, in the order they ran, in its stats and
+    in one log line (what an operator reads to see where a slow start went)."""
+    with caplog.at_level(logging.INFO, logger="statecache.engine"):
+        eng = engine()
+    parts = eng.stats()["startup_s"]
+    assert list(parts) == ["tokenizer", "weights", "compile", "runner", "precapture", "budget"]
+    assert all(v >= 0 for v in parts.values()) and parts["weights"] > 0
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine built in")]
+    assert len(line) == 1 and "tokenizer" in line[0] and "precapture" in line[0]
 
 
 def test_new_pages_run_in_arrival_order_and_the_rows_behind_them_hit(engine):
