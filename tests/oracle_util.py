@@ -3,7 +3,7 @@
 The oracle for statecache's forward: the checkpoint is loaded back with transformers' ``Qwen3_5ForCausalLM`` /
 ``Qwen3_5ForConditionalGeneration`` (through ``statecache.dev.checkpoints``, so fla is hidden and transformers takes its
 torch path) and an answer is the softmax of its full logits at a slot, restricted to the first ``nopts`` option
-letters (DESIGN section 1).
+letters (the row contract: docs/ROWS.md).
 """
 
 from __future__ import annotations

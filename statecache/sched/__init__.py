@@ -1,5 +1,5 @@
-"""The step scheduler (DESIGN.md section 4): plans each GPU step under a token budget from rows, their tokens and a
-view of the cache; plain Python, no torch (a rules test holds that for every module here).
+"""The step scheduler: plans each GPU step under a token budget from rows, their tokens and a view of the cache;
+plain Python, no torch (a rules test holds that for every module here).
 
 - `layout`: where checkpoints sit (the cache's settings, statecache.cache.index's rule);
 - `view`: the `CacheView` interface the scheduler asks, and `IndexView`, one over statecache.cache.index's real index;

@@ -1,4 +1,4 @@
-"""The step scheduler: which pieces of which rows one GPU step runs, under a token budget (DESIGN.md section 4).
+"""The step scheduler: which pieces of which rows one GPU step runs, under a token budget.
 
 Rows come in (`add`) with their tokens, state length and answer slots. Each `plan()` fills one step, in order, and
 stops at the first piece that does not fit (so nothing is served out of order):
