@@ -56,9 +56,9 @@ class Settings:
     host_cache_mb: int | None = _f(None, "STATECACHE_HOST_CACHE_MB", "host-memory tier for the states the device budget cannot keep, in MiB (on cuda pinned in 256 MiB slabs, one registered beside each forward after start-up, and kept); 0 turns it off (default: half the host's MemAvailable, at most 256 GiB; logged at start-up)")
     cache_stride: int = _f(CacheSettings.stride, "STATECACHE_CACHE_STRIDE", "a checkpoint at every multiple of this many tokens (0: none)")
     # --- the worker
-    # 24: with steps of step_tokens_busy from 18 rows held, 64 agents 70.7 rows/s and p99 2.1 s in the simulator
-    # against 67.3 at 16 (bench/README.md, session 51); more rows than steps serve answer hits first and starve new
-    # pages (64 agents on an H100 with fixed 2048-token steps: p99 1.8 s at 16, 3.3 s at 32, the same rows/s)
+    # 24: with steps of step_tokens_busy from 18 rows held, 64 agents 68.6-69.5 rows/s on an H100 against 66.0-66.6
+    # with 2048-token steps and 16 jobs, p99 2.1-2.25 s (bench/README.md, "Busy steps through the worker"); more rows
+    # than steps serve answer hits first and starve new pages (32 jobs: the same rows/s, p99 2.8 s)
     max_jobs: int = _f(24, "STATECACHE_MAX_JOBS", "jobs one worker takes from Redis at once; the rest wait there for any worker")
     poll_delay_s: float = _f(0.01, "STATECACHE_POLL_DELAY_S", "the routers poll the agents' queue, and arq each worker's own queue, this often (a job producer.Client enqueues wakes the routers at once)")
     job_timeout_s: float = _f(JOB_TIMEOUT_S, "STATECACHE_JOB_TIMEOUT_S", "a job's limit; a row not at the model by half of it goes back to the queue, never failed for waiting")
