@@ -135,7 +135,6 @@ class Engine:
         # a text row's slots read the letters as the tokenizer writes them there (" A" after a cue): found once, checked
         self.answer_tokens = answer_tokens(self.tokenizer)
         lap("tokenizer")
-        t0 = time.perf_counter()
         # specialists (a folder, statecache.model.specialists.folder): checked in full before the model's weights load
         self.specialists = None if specialists is None else load_specialists(
             specialists, load_config(self.model_dir), self.device, self.dtype)
@@ -146,9 +145,9 @@ class Engine:
             raise DeviceTooSmall(f"the weights of {self.model_dir} in {dtype} did not fit {self.device} "
                                  f"({(free or 0) / 2**20:.0f} MiB free after the attempt): give the worker a device "
                                  f"nothing else holds, or a larger one ({str(e).splitlines()[0][:300]})") from None
-        self.load_s = time.perf_counter() - t0
         self.loaded_at = time.time()  # wall clock: start-up is measured from here (bench/load_bench.py)
         lap("weights")
+        self.load_s = self.startup_s["weights"]  # the specialists' and the weights' load
         self.model = Qwen35(weights)
         if compile is None:  # fused elementwise kernels on the GPU (measured on an H200, 9B shape: bench/README.md)
             compile = self.device.type == "cuda"
@@ -551,8 +550,8 @@ class Engine:
         c = self.cache.info()
         spec = {} if self.specialists is None else {"mispredict": c["mispredict"], "specialists": self.specialists.info()}
         return {**spec, **{k: v for k, v in self.counts.items() if k != "plain_tokens"}, "load_s": round(self.load_s, 3),
-                "loaded_at": self.loaded_at, "startup_s": dict(self.startup_s), "precapture": self.precapture_info, "hits": c["hits"],
-                "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
+                "loaded_at": self.loaded_at, "startup_s": dict(self.startup_s), "precapture": self.precapture_info,
+                "hits": c["hits"], "partial": c["partial"], "cold": c["cold"], "tokens_reused": c["tokens_reused"],
                 "tokens_computed": c["tokens_computed"] + self.counts["plain_tokens"], "cache": c,
                 "batch": dict(self.runner.stats, failed=self.runner.failures[:3]),
                 "budget": dataclasses.asdict(self.budget), "budget_rechecks": dict(self.memory), **self._device_memory(),

@@ -316,8 +316,8 @@ class BatchRunner:
                 raise ValueError(f"the batched delta kernel needs GDN keys of at least {WIDE_KEYS} dims on CUDA; "
                                  f"this model's are {model.cfg.linear_key_head_dim}")
         self.max_slots, self.max_piece = max_slots, max_piece
-        top = bucket(max_batch, batches) or batches[-1]  # 24 rows: graphs up to 32 (a 16-row forward would split them)
-        self.batches = tuple(b for b in batches if b <= top)
+        most = bucket(max_batch, batches) or batches[-1]  # 24 rows: graphs up to 32 (a 16-row forward would split them)
+        self.batches = tuple(b for b in batches if b <= most)
         self.max_batch = self.batches[-1]
         top = max_tokens or self.max_batch * max_piece
         self.tokens = tuple(t for t in tokens if t <= top) or (top,)

@@ -16,9 +16,9 @@ The question part runs as one piece [stop, n) unless the runner's limits cut it:
 piece answers the slots inside it, and the row's answer is complete when its last piece has run. A hit whose
 question is one piece is a hit above; one whose question takes several pieces runs with the long computations.
 A step holds at most `budget_tokens` tokens (`busy_tokens` while the scheduler holds `busy_rows` rows or more: where
-rows queue, fuller steps answer more of them a second; `budget`) and `max_seqs` pieces (one piece per row: a sequence continues its own
-state), with one stated exception: a question piece (cut only by the rule above) longer than the whole budget runs
-alone in a step of its own.
+rows queue, fuller steps answer more of them a second; `budget`) and `max_seqs` pieces (one piece per row: a sequence
+continues its own state), with one stated exception: a question piece (cut only by the rule above) longer than the
+whole budget runs alone in a step of its own.
 
 A computation plants the checkpoints the engine's rule gives (`Layout.positions`: p, and p - tail and the multiples
 of stride below p, aligned; at least MIN_ADVANCE past where it restored) in the piece whose range (start, end] holds
@@ -219,8 +219,9 @@ class Scheduler:
         return len(self._waiting)
 
     def budget(self) -> int:
-        """The next step's token budget: `busy_tokens` while `busy_rows` rows or more are in the schedule (rows queue:
-        fuller steps, fewer of a step's fixed costs a row), else `budget_tokens` (a light load: hits answered sooner)."""
+        """The next step's token budget: `busy_tokens` while `busy_rows` rows or more are in the schedule (rows
+        queue: fuller steps, fewer of a step's fixed costs a row), else `budget_tokens` (a light load: hits answered
+        sooner)."""
         if self.busy_rows is not None and self.pending() >= self.busy_rows:
             return self.busy_tokens
         return self.budget_tokens
