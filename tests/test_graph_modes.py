@@ -29,7 +29,7 @@ def fake_graphs(monkeypatch):
     """statecache.run.graphs.capture replaced by ReplayGraph; calls["fail"]: output lengths whose capture is refused."""
     calls = {"captures": [], "fail": set()}
 
-    def capture(fn, pool, warmup=2):
+    def capture(fn, pool, warmup=1):
         calls["captures"].append(pool)
         for _ in range(warmup):
             out = fn()

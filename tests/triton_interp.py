@@ -85,7 +85,7 @@ def batch_graphs_in_interpreter(monkeypatch, refuse=frozenset()) -> None:
     if not CUDA:
         interpreter_launch_sizes(monkeypatch, *mods)
 
-    def capture(fn, pool, warmup=2):
+    def capture(fn, pool, warmup=1):
         out = fn()
         if out.shape[0] in refuse:
             raise RuntimeError("capture refused (test)")

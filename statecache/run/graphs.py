@@ -1,7 +1,8 @@
 """CUDA graph capture and graph inputs, for the batched runner's graphs (statecache.run.batch).
 
-`capture(fn, pool)` runs fn twice on a side stream (where lazy initialisation, fla's autotuning and torch.compile
-happen, none of which may run inside a capture), then records one call as a CUDA graph whose memory comes from
+`capture(fn, pool)` runs fn once on a side stream (where lazy initialisation, Triton's autotuning and torch.compile
+happen, none of which may run inside a capture: each happens on the first call of a shape, a recompile for a new
+token count included), then records one call as a CUDA graph whose memory comes from
 `pool`. Graphs in one pool reuse each other's freed intermediates, which is safe because they replay one at a time
 on one stream and each graph's output stays allocated. `try_capture` counts, times and logs captures and turns a
 failure into None. `fill_options` lays out the answer slots' options; `Staging` is a graph's pinned input copy.
@@ -35,8 +36,10 @@ def side_stream() -> "torch.cuda.Stream":
     return _SIDE[dev]
 
 
-def capture(fn, pool, warmup: int = 2):
-    """-> (graph, fn's output as captured: the tensors each replay rewrites)."""
+def capture(fn, pool, warmup: int = 1):
+    """-> (graph, fn's output as captured: the tensors each replay rewrites). One warm-up call: what is lazy happens on
+    a shape's first call, and a second call doubled start-up's graph time (s53_run1, H200, 9B shape: 64 ms a graph
+    against 141 with two; bench/README.md)."""
     side = side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.no_grad():
