@@ -126,6 +126,8 @@ class Engine:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {dtype!r}: use float32 or bfloat16")
         self.dtype = getattr(torch, dtype)
+        import transformers  # noqa: F401 - timed apart from the tokenizer's load (together 10.8 s on the H200, s53_run1)
+        lap("transformers")
         self.tokenizer = load_tokenizer(self.model_dir)
         ids = self.tokenizer.convert_tokens_to_ids(LETTERS)
         unk = self.tokenizer.unk_token_id
