@@ -126,7 +126,7 @@ class Engine:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {dtype!r}: use float32 or bfloat16")
         self.dtype = getattr(torch, dtype)
-        import transformers  # noqa: F401 - timed apart from the tokenizer's load (together 10.8 s on the H200, s53_run1)
+        import transformers  # noqa: F401 - timed apart from the tokenizer's load (together 10.8 s, s53_run1's H200)
         lap("transformers")
         self.tokenizer = load_tokenizer(self.model_dir)
         ids = self.tokenizer.convert_tokens_to_ids(LETTERS)
@@ -156,8 +156,9 @@ class Engine:
         if compile:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
-        self.kernels = kernels_for(self.device, compile)
         lap("compile")
+        self.kernels = kernels_for(self.device, compile)  # on CUDA fla's import and two kernel checks
+        lap("kernels")
         settings = settings or CacheSettings()
         if settings.align % CHUNK:
             raise ValueError(f"the cache's alignment {settings.align} must be a multiple of {CHUNK} (the delta rule's "

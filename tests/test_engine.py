@@ -587,7 +587,8 @@ def test_stats_say_where_start_up_went(engine, caplog):
     with caplog.at_level(logging.INFO, logger="statecache.engine"):
         eng = engine()
     parts = eng.stats()["startup_s"]
-    assert list(parts) == ["transformers", "tokenizer", "weights", "compile", "runner", "precapture", "budget"]
+    assert list(parts) == [
+        "transformers", "tokenizer", "weights", "compile", "kernels", "runner", "precapture", "budget"]
     assert all(v >= 0 for v in parts.values()) and parts["weights"] > 0
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine built in")]
     assert len(line) == 1 and "tokenizer" in line[0] and "precapture" in line[0]
