@@ -3,7 +3,7 @@
 Hq=16, Hkv=4, D=256, bf16; scenarios: L=64 over P=5120 keys with start=4096 (the main one, fully swept),
 L=64 with P=2048 / start=1024, and L=128 with P=5120 / start=4096. For each: max |error| against a float32 SDPA
 reference (TorchKernels.attend_span on float32 copies), next to statecache.kernels.dispatch.attend_grouped and
-FlashAttention with native GQA (the aten op FlaKernels._flash_op calls); a CUDA-graph replay with `start` changed
+FlashAttention with native GQA (the aten op CudaKernels._flash_op calls); a CUDA-graph replay with `start` changed
 after capture; then times. Each time is the GPU time per call of a CUDA graph of 20 calls (median of replays, CUDA
 events); the calls cycle through 4 separate K/V caches (each a [A, P_max] buffer sliced like the real one), so K/V
 come mostly from HBM, not from L2 warm from the previous call.

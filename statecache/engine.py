@@ -157,7 +157,7 @@ class Engine:
             self.model.compile_elementwise()
         self.vocab_size = weights.cfg.vocab_size
         lap("compile")
-        self.kernels = kernels_for(self.device, compile)  # on CUDA fla's import and two kernel checks
+        self.kernels = kernels_for(self.device, compile)  # on CUDA: the Triton kernels' import, two kernel checks
         lap("kernels")
         settings = settings or CacheSettings()
         if settings.align % CHUNK:

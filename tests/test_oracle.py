@@ -21,6 +21,7 @@ itself against transformers' chunked and recurrent torch implementations (1e-5).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -326,6 +327,27 @@ def test_torch_kernels_delta_varlen_matches_transformers():
         assert (S[i] - rS[0]).abs().max() < DELTA_TOL, f"sequence {i} final state"
         start += n
 
+
+def test_cuda_kernels_build_without_fla_and_fall_back_to_torch(monkeypatch):
+    """CudaKernels (the GPU's set) imports no fla to build: the step loop runs statecache's own Triton kernels, so a
+    host without fla serves on them. Its whole-sequence conv and delta rule, fla's where it imports, are then the
+    torch ones (CPU tensors here: the same numbers as TorchKernels)."""
+    pytest.importorskip("triton")
+    from statecache.kernels.dispatch import CudaKernels
+
+    monkeypatch.setitem(sys.modules, "fla", None)  # `import fla...` raises ImportError
+    kernels = CudaKernels()
+    Hk, Hv, Dk, Dv = 2, 4, 8, 12
+    lens = [50, 23]
+    seqs = [_delta_inputs(n, Hk, Hv, Dk, Dv, seed=20 + i) for i, n in enumerate(lens)]
+    cat = [torch.cat([s[j] for s in seqs])[None] for j in range(5)]
+    inits = torch.stack([s[5] for s in seqs])
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    (o, S), (ro, rS) = kernels.delta(*cat, inits, cu), TorchKernels().delta(*cat, inits, cu)
+    assert torch.equal(o, ro) and torch.equal(S, rS)
+    x, w = torch.randn(1, sum(lens), 6), torch.randn(6, 4)
+    assert torch.equal(kernels.conv(x, w, cu), TorchKernels().conv(x, w, cu))
+    assert kernels._fla_ops() == ()
 
 def test_delta_rule_padding_is_a_no_op():
     """g = 0, beta = 0 past the real end (the padded chunk's convention) leaves the final state at the real end."""

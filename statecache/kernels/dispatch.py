@@ -3,12 +3,14 @@
 Two implementations of one small interface, chosen once per device:
 - `TorchKernels`: plain torch, any device (the CPU reference). Its delta rule is the chunked form of the gated delta
   rule (64-token chunks, float32), tested against transformers' own torch implementation.
-- `FlaKernels` (CUDA): fla's chunked gated delta rule and causal conv1d; FlashAttention with native grouped
-  heads (the aten op varlen attention wraps; self-checked at start-up, else varlen attention with repeated K/V
-  heads, else SDPA). Short chunks continuing from saved state take statecache's own Triton kernels: the whole
-  delta rule of a chunk of <= 64 tokens in one kernel (statecache.kernels.gdn), the conv with its saved inputs
+- `CudaKernels` (CUDA): statecache's own Triton kernels for chunks continuing from saved state: the whole delta rule
+  of a chunk of <= 64 tokens in one kernel (statecache.kernels.gdn), the conv with its saved inputs
   (statecache.kernels.conv) and attention over the cached keys split over the keys (statecache.kernels.span);
-  `short_kernels=False` falls back to fla's chain, fla's conv and two batched matmuls per KV head group.
+  FlashAttention with native grouped heads (the aten op varlen attention wraps; self-checked at start-up, else
+  varlen attention with repeated K/V heads, else SDPA). `conv` and `delta` over whole sequences are fla's chunked
+  kernels where fla imports (imported on their first call), else the torch ones; `short_kernels=False` sends
+  the short chunks there too. The step loop calls neither (statecache.run.batch runs its batched Triton kernels),
+  so serving needs no fla.
 
 Shapes (T = packed tokens, B = sequences, cu = int32 cumulative lengths [B+1]):
 - conv(x [1, T, C], w [C, W], cu) -> silu(causal depthwise conv) [1, T, C]; every sequence starts from zeros
@@ -28,10 +30,13 @@ This module knows nothing of checkpoints, layers or weights.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections import deque
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("statecache.kernels.dispatch")
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -169,8 +174,9 @@ def attend_grouped(q, k, v, start, scale: float, softmax=span_softmax, f32_score
 SPAN_SPLIT_MAX_Q = 128  # statecache.kernels.span for chunks of at most this many queries
 
 
-class FlaKernels(TorchKernels):
-    """CUDA: fla's Triton kernels for the GDN layers, FlashAttention (native GQA where it checks out) for attention.
+class CudaKernels(TorchKernels):
+    """CUDA: statecache's Triton kernels for short chunks, FlashAttention (native GQA where it checks out) for
+    attention, fla's chunked kernels for whole sequences where fla imports (see the module docstring).
 
     `grouped_max_q`: a span chunk of at most this many queries attends by batched matmuls (each cached key read
     once, no head repeat). Measured on an H200 at the 9B shape, 5120-key span (bench/gpu_bench.py --micro): 0.058 ms
@@ -178,14 +184,12 @@ class FlaKernels(TorchKernels):
     still ahead at 128 (0.091 vs 0.138), not at 256; with the eager softmax only up to 64. fla's fused recurrent
     delta rule is not used: it beat the chunked one only at 16 tokens (0.026 vs 0.033 ms) and lost at 64."""
 
-    name = "fla"
+    name = "cuda"
 
     def __init__(self, compile: bool = False, short_kernels: bool = True):
-        from fla.modules.convolution import causal_conv1d
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from statecache.kernels import conv as conv_k, gdn as gdn_k, span as span_k  # Triton: ImportError without it
 
-        self._conv = causal_conv1d
-        self._gdr = chunk_gated_delta_rule
+        self._fla: tuple | None = None  # (causal_conv1d, chunk_gated_delta_rule), or () where fla does not import
         self._varlen_memo: deque = deque(maxlen=64)  # (offsets tensor, fla's varlen arguments): see _fla_varlen
         try:
             from torch.nn.attention.varlen import varlen_attn
@@ -200,8 +204,6 @@ class FlaKernels(TorchKernels):
         self.flash_gqa = self._check_flash_gqa()
         self.bmm_f32 = self._check_bmm_f32()
         self.short_kernels = short_kernels  # our Triton kernels for short chunks (see the module docstring)
-        from statecache.kernels import conv as conv_k, gdn as gdn_k, span as span_k
-
         self._delta_chunk, self._span = gdn_k.delta_chunk, span_k.attend_span
         self._delta_max, self._delta_keys = gdn_k.MAX_TOKENS, gdn_k.WIDE_KEYS
         self._conv_chunk, self._conv_chunk_max = conv_k.conv_chunk, conv_k.MAX_ROWS
@@ -261,13 +263,32 @@ class FlaKernels(TorchKernels):
         self._varlen_memo.append((cu, got))  # holds `cu`, so its identity is not reused while remembered
         return got
 
+    def _fla_ops(self) -> tuple:
+        """fla's (causal_conv1d, chunk_gated_delta_rule), imported on the first call; () where fla does not import."""
+        if self._fla is None:
+            try:
+                from fla.modules.convolution import causal_conv1d
+                from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+                self._fla = (causal_conv1d, chunk_gated_delta_rule)
+            except ImportError as e:
+                log.info("fla does not import (%s): whole sequences' conv and delta rule run on torch", e)
+                self._fla = ()
+        return self._fla
+
     def conv(self, x, w, cu=None):
-        y = self._conv(x, weight=w, bias=None, activation="silu", **self._fla_varlen(cu))
+        fla = self._fla_ops()
+        if not fla:
+            return super().conv(x, w, cu)
+        y = fla[0](x, weight=w, bias=None, activation="silu", **self._fla_varlen(cu))
         return y[0] if isinstance(y, tuple) else y
 
     def delta(self, q, k, v, g, beta, init=None, cu=None):
-        o, S = self._gdr(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, **self._fla_varlen(cu))
+        fla = self._fla_ops()
+        if not fla:
+            return super().delta(q, k, v, g, beta, init, cu)
+        o, S = fla[1](q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True, **self._fla_varlen(cu))
         return o, S
 
     def conv_into(self, x, w, tail, real):
@@ -316,11 +337,11 @@ class FlaKernels(TorchKernels):
 
 
 def kernels_for(device: torch.device | str, compile: bool = False) -> TorchKernels:
-    """fla + FlashAttention on CUDA when fla imports; the torch reference otherwise. compile: fuse the kernels' own
+    """CudaKernels on CUDA when Triton imports; the torch reference otherwise. compile: fuse the kernels' own
     elementwise pieces (the span softmax) with torch.compile."""
     if torch.device(device).type == "cuda":
         try:
-            return FlaKernels(compile)
+            return CudaKernels(compile)
         except ImportError:
             return TorchKernels()
     return TorchKernels()

@@ -25,7 +25,7 @@ def hf_qwen3_5(kernels: bool | None = False):
     fla's kernels cannot read CPU tensors, so on a GPU host with fla installed a CPU forward through them fails.
     - ``kernels=False`` (default; for forwards on CPU tensors: ``load_reference``, the specialists' router, the
       tests' oracle): fla and causal_conv1d are hidden while that module is imported (``sys.modules[name] = None``,
-      restored after: statecache's own GPU code still imports fla), so transformers takes its torch code;
+      restored after: the GPU suite's comparisons still import fla), so transformers takes its torch code;
     - ``kernels=True`` (for transformers on the GPU, the benchmarks' baseline): its kernels where they import;
     - ``kernels=None`` (no GDN forward: building and saving a model, the vision tower): the module as imported,
       else as for ``False``.

@@ -293,7 +293,7 @@ class BatchRunner:
     tokens per forward (default max_batch * max_piece); max_pos: the longest key span (sizes the span kernel's
     splits); graphs: CUDA graphs (default on CUDA; they need the Triton kernels); pad: bucket the shapes (always with
     graphs); pool: the graph memory pool to share; triton: the Triton batch kernels (default: where the kernels
-    object has statecache's short kernels, i.e. FlaKernels); specialists: a statecache.model.specialists.Specialists, or
+    object has statecache's short kernels, i.e. CudaKernels); specialists: a statecache.model.specialists.Specialists, or
     None for the trunk; max_snaps: snapshot slots per forward (states kept inside pieces,
     `Piece.snaps`; 0: none; none with specialists, whose checkpoints also need the router's feature sum there)."""
 
