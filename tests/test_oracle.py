@@ -307,16 +307,20 @@ def test_delta_rule_matches_transformers(T, with_init):
             f"{fn.__name__} T={T}: output diff {do:.2e}, final state diff {dS:.2e}"
 
 
+def _packed_delta_inputs(lens, seed: int, Hk=2, Hv=4, Dk=8, Dv=12):
+    """Sequences of `lens` tokens (GVA), each its own (q, k, v, g, beta, init), and the same packed for a kernels
+    object's `delta`: (seqs, [q, k, v, g, beta] each [1, T, ...], inits [B, Hv, Dk, Dv], cu int32)."""
+    seqs = [_delta_inputs(n, Hk, Hv, Dk, Dv, seed=seed + i) for i, n in enumerate(lens)]
+    cat = [torch.cat([s[j] for s in seqs])[None] for j in range(5)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return seqs, cat, torch.stack([s[5] for s in seqs]), cu
+
 def test_torch_kernels_delta_varlen_matches_transformers():
     """TorchKernels.delta: two packed sequences (cu), each from its own initial state, GVA: as transformers does each
     sequence alone."""
     hf = _hf()
-    Hk, Hv, Dk, Dv = 2, 4, 8, 12
     lens = [100, 37]
-    seqs = [_delta_inputs(n, Hk, Hv, Dk, Dv, seed=10 + i) for i, n in enumerate(lens)]
-    cat = [torch.cat([s[j] for s in seqs])[None] for j in range(5)]
-    inits = torch.stack([s[5] for s in seqs])
-    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    seqs, cat, inits, cu = _packed_delta_inputs(lens, seed=10)
     o, S = TorchKernels().delta(*cat, inits, cu)
     start = 0
     for i, (n, (q, k, v, g, beta, init)) in enumerate(zip(lens, seqs)):
@@ -337,12 +341,8 @@ def test_cuda_kernels_build_without_fla_and_fall_back_to_torch(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "fla", None)  # `import fla...` raises ImportError
     kernels = CudaKernels()
-    Hk, Hv, Dk, Dv = 2, 4, 8, 12
     lens = [50, 23]
-    seqs = [_delta_inputs(n, Hk, Hv, Dk, Dv, seed=20 + i) for i, n in enumerate(lens)]
-    cat = [torch.cat([s[j] for s in seqs])[None] for j in range(5)]
-    inits = torch.stack([s[5] for s in seqs])
-    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    _, cat, inits, cu = _packed_delta_inputs(lens, seed=20)
     (o, S), (ro, rS) = kernels.delta(*cat, inits, cu), TorchKernels().delta(*cat, inits, cu)
     assert torch.equal(o, ro) and torch.equal(S, rS)
     x, w = torch.randn(1, sum(lens), 6), torch.randn(6, 4)
