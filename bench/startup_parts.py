@@ -46,13 +46,12 @@ def child(model: str | None) -> dict:
     step("import statecache.engine")
     cuda = torch.cuda.is_available()
     if cuda:
+        from statecache.run.compile_cache import use_persistent_caches
+
+        use_persistent_caches()  # as the engine does before anything compiles
         torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
     step("CUDA context" if cuda else "no CUDA")
-    if cuda:  # as the engine does before anything compiles
-        from statecache.run.compile_cache import use_persistent_caches
-
-        use_persistent_caches()
     import transformers  # noqa: F401
 
     step("import transformers")

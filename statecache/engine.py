@@ -126,7 +126,7 @@ class Engine:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {dtype!r}: use float32 or bfloat16")
         self.dtype = getattr(torch, dtype)
-        import transformers  # noqa: F401 - timed apart from the tokenizer's load (together 10.8 s, s53_run1's H200)
+        import transformers  # noqa: F401 - its import timed apart from the tokenizer's load (load_tokenizer's)
         lap("transformers")
         self.tokenizer = load_tokenizer(self.model_dir)
         ids = self.tokenizer.convert_tokens_to_ids(LETTERS)
