@@ -6,7 +6,8 @@
 #   bash scripts/gpu_session.sh STEP[:SECONDS][@VAR=VALUE...] ...   (from the repository root, with .whl carried)
 #
 # @VAR=VALUE sets an environment variable for that step only (e.g. load16@STATECACHE_CACHE_MB=8000); a step
-# named twice writes its second run to NAME_2, and so on.
+# named twice writes its second run to NAME_2, and so on. @NOFLA=1 runs a step as on a host without fla (the Docker
+# image's case): `import fla` fails in it and in the worker it starts, though the wheels installed it for the suite.
 #
 # Steps (default limits in seconds):
 #   load        bench/load_bench.py, random 9B checkpoint, 16 and 64 agents through the worker, score, transformers (540)
@@ -76,6 +77,12 @@ run_step() {
     while [ -e "$dir" ]; do dir="$R/${name}_$k"; k=$((k + 1)); done
     mkdir -p "$dir"
     local t0=$SECONDS rc
+    if [ -n "${NOFLA:-}" ]; then  # a package named fla ahead of /tmp/site whose import fails, as a missing one's does
+        mkdir -p /tmp/nofla/fla && echo 'raise ImportError("fla is hidden for this step (gpu_session.sh @NOFLA=1)")' \
+            >/tmp/nofla/fla/__init__.py
+        export PYTHONPATH="/tmp/nofla:$PYTHONPATH"
+        python3 -c "import fla" 2>/dev/null && echo "gpu_session: fla still imports under @NOFLA=1" | tee -a "$dir/log.txt"
+    fi
     case $name in
         load) timeout "$limit" python3 bench/load_bench.py $CKPT --out "$dir" --agents 16,64 \
                   --seconds 30 --score-rows 60 --score-warmup 20 --hf-rows 8 >"$dir/log.txt" 2>&1 ;;
