@@ -16,6 +16,9 @@ from tests.cache_util import assert_close, one_thread, reference, run_rows, smal
 
 
 def test_compiled_pieces_match_eager():
+    import torch._dynamo.utils
+
+    stats = torch._dynamo.utils.counters["stats"]
     with one_thread():
         eager = small_model()
         model = Qwen35(eager.w)  # same weights, its own pieces
@@ -25,9 +28,12 @@ def test_compiled_pieces_match_eager():
                            checkpoint_bytes=runner.st.checkpoint_bytes(), position_bytes=runner.st.position_bytes())
         steps = Steps(cache, runner, PlantWhenItFits(), budget_tokens=512, chunk_tokens=128)
         rows = [(toks(n, n), 0, [n - 1, n // 2], [4, 7]) for n in (37, 100, 129)]
-        for (ids, _, slots, nopts), ans in zip(rows, run_rows(steps, rows, fresh=True)):
-            assert ans.path == "plain"
-            assert_close(ans.probs, reference(ids, slots, nopts), 1e-5)
+        graphs = None
+        for k in (1, 3):  # one row (one forward, one token count), then all three
+            for (ids, _, slots, nopts), ans in zip(rows[:k], run_rows(steps, rows[:k], fresh=True)):
+                assert ans.path == "plain"
+                assert_close(ans.probs, reference(ids, slots, nopts), 1e-5)
+            graphs = graphs or stats["unique_graphs"]  # the pieces compiled for the first forward's token count
         state = toks(300, 5)
         for q in range(2):  # a new state (planted over several pieces), then a hit
             ids = state + toks(21, 50 + q)
@@ -36,3 +42,5 @@ def test_compiled_pieces_match_eager():
             assert_close(ans.probs, reference(ids, [320], [5]), 1e-5)
         pieces = (model.norm, model.add_norm, model.gnorm, model.qk_prep, model.act, model.gates, model.gate_out)
         assert all(p.ok for p in pieces), [p.__name__ for p in pieces if not p.ok]
+        # the forwards since held other token counts: no piece compiled again (Fused marks them dynamic)
+        assert stats["unique_graphs"] == graphs, dict(stats)

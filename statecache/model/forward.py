@@ -70,6 +70,9 @@ def gate_output(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 PIECES = (rmsnorm, add_rmsnorm, gated_rmsnorm, norm_rotate, silu_mul, gdn_gates, gate_output)
+# each piece's arguments that hold a token per row (x [T, ...], cos / sin [T, R], live [T]); the rest are weights
+TOKEN_ARGS = {rmsnorm: (0,), add_rmsnorm: (0, 1), gated_rmsnorm: (0, 1), norm_rotate: (0, 2, 3), silu_mul: (0,),
+              gdn_gates: (0, 1, 4), gate_output: (0, 1)}
 
 
 class Qwen35:
@@ -99,7 +102,7 @@ class Qwen35:
         Each falls back to its eager form, for good, if compiling it fails. On CUDA, triton_pieces: the residual
         add + norm, the MLP activation and GDN's gated norm take statecache.kernels.norm's kernels instead."""
         (self.norm, self.add_norm, self.gnorm, self.qk_prep, self.act, self.gates,
-         self.gate_out) = (Fused(f) for f in PIECES)
+         self.gate_out) = (Fused(f, TOKEN_ARGS[f]) for f in PIECES)
         self.use_triton_pieces(triton_pieces)
 
     def use_triton_pieces(self, on: bool) -> None:
@@ -111,7 +114,7 @@ class Qwen35:
 
             self.add_norm, self.act, self.gnorm = norm_triton.add_rmsnorm, norm_triton.silu_mul, norm_triton.gated_rmsnorm
         else:
-            self.add_norm, self.act, self.gnorm = Fused(add_rmsnorm), Fused(silu_mul), Fused(gated_rmsnorm)
+            self.add_norm, self.act, self.gnorm = (Fused(f, TOKEN_ARGS[f]) for f in (add_rmsnorm, silu_mul, gated_rmsnorm))
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [T] (long), or [3, T] multimodal positions (temporal, height, width: image rows) -> cos, sin
