@@ -45,7 +45,7 @@ from statecache.cache.store import Answer, StateCache
 from statecache.cache.tiers import kv_rows
 from statecache.run.batch import CHUNK, SNAPS_PER_PIECE, NotBatched, Piece
 from statecache.run.graphs import n_options
-from statecache.sched import Layout, Row, Scheduler, attn_pairs, slots_at_one_position
+from statecache.sched import Layout, OverIndex, Row, Scheduler, attn_pairs, slots_at_one_position
 
 log = logging.getLogger("statecache.step")
 
@@ -121,7 +121,7 @@ class _Flight:
     timing: tuple = ()  # (start, end: CUDA events or perf_counter seconds, the step's STEP_LOG_FIELDS but the time)
 
 
-class CacheView:
+class CacheView(OverIndex):
     """statecache.sched's CacheView over the engine's StateCache: token-exact lookups on both tiers (a host checkpoint
     only when it fits the device budget: it is copied back when its row runs); `planted` hands the positions a row's
     pieces passed to `Steps`, which plants them."""
@@ -131,20 +131,8 @@ class CacheView:
         self._on_planted = on_planted
 
     @property
-    def budget_bytes(self) -> int:
-        return self.index.budget_bytes
-
-    @property
     def host_budget_bytes(self) -> int:
         return self.index.host_budget_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.index.bytes
-
-    @property
-    def version(self) -> int:
-        return self.index.version
 
     def lookup(self, ids, limit: int, route: int | None = None):
         c = self.index.lookup(ids, limit, route)
@@ -153,12 +141,6 @@ class CacheView:
             if need > self.index.budget_bytes:  # it could never come back: the deepest device checkpoint instead
                 c = self.index.lookup(ids, limit, route, host=False)
         return c
-
-    def touch(self, found) -> None:
-        self.index.touch(found)
-
-    def retire(self, found) -> None:
-        self.index.retire(found)
 
     def planted(self, state, ids, p: int, positions, last: bool, route: int | None = None, forks=()) -> None:
         self._on_planted(state, positions, last, forks)

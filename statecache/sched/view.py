@@ -3,10 +3,11 @@
 `CacheView` is the interface (a Protocol): `lookup(ids, limit)` gives the deepest checkpoint (anything with a
 `pos`) whose tokens equal `ids[:pos]` with `pos <= limit`, or None; `touch` marks one used; `planted` records the
 checkpoints a state's pieces passed; `state_bytes`, `budget_bytes`, `used_bytes` are what the `cold_ok` policy reads
-(statecache.cache.policy.ColdContext). `IndexView` implements it over the real `statecache.cache.index.CheckpointIndex`
-(token-exact lookup, LRU over checkpoints, bytes counted, evicted to a byte budget) with payloads of None and
-sizes from a byte model handed in: the scheduler's tests and `bench/step_sim.py` use it; the engine's cache (stage 2)
-implements the same interface with its tensors as payloads.
+(statecache.cache.policy.ColdContext). `OverIndex` holds the members that read a
+`statecache.cache.index.CheckpointIndex` as it is (token-exact lookup, LRU over checkpoints, bytes counted, evicted
+to a byte budget); `IndexView` builds the interface on it with payloads of None and sizes from a byte model handed
+in: the scheduler's tests and `bench/step_sim.py` use it; the engine's view (statecache.step.CacheView) builds on it
+too, over the index whose payloads are its tensors.
 
 Knows nothing of tensors, the model or the worker; no torch import.
 """
@@ -51,17 +52,10 @@ class CacheView(Protocol):
     def state_bytes(self, state_len: int) -> int: ...
 
 
-class IndexView:
-    """A `CacheView` over a `CheckpointIndex` of payload-less checkpoints: `ckpt_bytes` per checkpoint (GDN states and
-    conv tails) and `kv_bytes_per_token` per position of a group's K/V (statecache.cache.budget gives both for a shape).
-    One group per computing state, opened at its first planted checkpoint and sized for K/V of [0, p)."""
+class OverIndex:
+    """The members of a `CacheView` that read a `CheckpointIndex` (`self.index`, set by the subclass) as it is."""
 
-    def __init__(self, budget_bytes: int, ckpt_bytes: int, kv_bytes_per_token: int, layout: Layout):
-        self.index = CheckpointIndex(budget_bytes, align=layout.align)
-        self.ckpt_bytes, self.kv_bytes_per_token = int(ckpt_bytes), int(kv_bytes_per_token)
-        self.layout = layout
-        self._open: dict = {}  # state -> its group while it plants
-        self.evicted = 0
+    index: CheckpointIndex
 
     @property
     def budget_bytes(self) -> int:
@@ -83,6 +77,19 @@ class IndexView:
 
     def retire(self, found) -> None:
         self.index.retire(found)
+
+
+class IndexView(OverIndex):
+    """A `CacheView` over a `CheckpointIndex` of payload-less checkpoints: `ckpt_bytes` per checkpoint (GDN states and
+    conv tails) and `kv_bytes_per_token` per position of a group's K/V (statecache.cache.budget gives both for a shape).
+    One group per computing state, opened at its first planted checkpoint and sized for K/V of [0, p)."""
+
+    def __init__(self, budget_bytes: int, ckpt_bytes: int, kv_bytes_per_token: int, layout: Layout):
+        self.index = CheckpointIndex(budget_bytes, align=layout.align)
+        self.ckpt_bytes, self.kv_bytes_per_token = int(ckpt_bytes), int(kv_bytes_per_token)
+        self.layout = layout
+        self._open: dict = {}  # state -> its group while it plants
+        self.evicted = 0
 
     def planted(self, state, ids, p: int, positions, last: bool, route: int | None = None, forks=()) -> None:
         group = self._open.get(state)
