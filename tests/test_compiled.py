@@ -1,7 +1,9 @@
 """The torch.compile'd elementwise pieces (the GPU default) compute what the eager ones do, on the CPU in float32:
 rows through the step loop over a compiled model (uncached rows, a new state planted, a hit from it; the gates mask
-a piece's padding through `live`). Inductor's CPU backend compiles them here (about half a minute); a piece that
-fails to compile would fall back to eager, so the test also asserts every piece really ran compiled."""
+a piece's padding through `live`). Inductor's CPU backend compiles them here (several seconds); a piece that
+fails to compile would fall back to eager, so the test also asserts every piece really ran compiled, and that what
+the first forward compiled served every later token count (no compile after it: Fused marks the token dimension
+dynamic)."""
 
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ class Qwen35:
 
             self.add_norm, self.act, self.gnorm = norm_triton.add_rmsnorm, norm_triton.silu_mul, norm_triton.gated_rmsnorm
         else:
-            self.add_norm, self.act, self.gnorm = (Fused(f, TOKEN_ARGS[f]) for f in (add_rmsnorm, silu_mul, gated_rmsnorm))
+            self.add_norm, self.act, self.gnorm = (Fused(f, TOKEN_ARGS[f])
+                                                   for f in (add_rmsnorm, silu_mul, gated_rmsnorm))
 
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [T] (long), or [3, T] multimodal positions (temporal, height, width: image rows) -> cos, sin

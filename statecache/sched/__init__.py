@@ -12,5 +12,5 @@ from statecache.sched.steps import (COLD, HIT, PARTIAL, PLAIN, Finished, Piece, 
                                     slots_at_one_position)
 from statecache.sched.view import CacheView, IndexView, OverIndex
 
-__all__ = ["Layout", "CacheView", "IndexView", "OverIndex", "Scheduler", "Row", "Piece", "Step", "Finished", "HIT", "PARTIAL",
-           "COLD", "PLAIN", "attn_pairs", "slots_at_one_position"]
+__all__ = ["Layout", "CacheView", "IndexView", "OverIndex", "Scheduler", "Row", "Piece", "Step", "Finished", "HIT",
+           "PARTIAL", "COLD", "PLAIN", "attn_pairs", "slots_at_one_position"]
