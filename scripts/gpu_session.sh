@@ -25,7 +25,8 @@
 #               SIGKILLed 10 s in and a new one started in its place while the first serves (420)
 #   delta       bench/gpu_delta_steps.py: the batched delta rule beside fla's chunked kernels on step-like
 #               mixes at the 9B shape, timed and against a float32 reference (120)
-#   agree       bench/gpu_agree32.py, 40 rows against float32 and transformers (240)
+#   agree       bench/gpu_agree32.py, 40 rows against float32 and transformers (300: s55_run1 had its float32
+#               references 124 s after the start on a fresh machine)
 #   startup     bench/startup_parts.py: imports, the CUDA context, the tokenizer and fla timed in a fresh process in the
 #               worker's order, each with the imports that took its time (60)
 #   pin         bench/gpu_pin.py: ways of pinning the host tier's slabs, their copy speed, and how a thread pinning
@@ -137,7 +138,7 @@ run_step() {
     tar czf "$OUT/results.tgz" -C /tmp gpu_session  # after every step: a call cut short keeps the steps it finished
 }
 
-declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [startup]=60 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [tests_triton2]=300 [profile]=390 [agree]=240 [tests]=240 [suite]=420 [scorehf]=450)
+declare -A LIMIT=([route2]=420 [delta]=120 [pin]=120 [startup]=60 [score]=400 [packcache]=60 [load]=540 [load1664]=420 [load16]=360 [load16s]=560 [load64]=400 [load16score]=480 [tests_steps]=240 [tests_gpu]=240 [tests_triton]=240 [tests_triton2]=300 [profile]=390 [agree]=300 [tests]=240 [suite]=420 [scorehf]=450)
 for arg in "$@"; do
     IFS=@ read -r -a parts <<<"$arg"  # STEP[:SECONDS], then VAR=VALUE settings for this step only
     spec=${parts[0]}
