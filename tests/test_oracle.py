@@ -315,6 +315,7 @@ def _packed_delta_inputs(lens, seed: int, Hk=2, Hv=4, Dk=8, Dv=12):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     return seqs, cat, torch.stack([s[5] for s in seqs]), cu
 
+
 def test_torch_kernels_delta_varlen_matches_transformers():
     """TorchKernels.delta: two packed sequences (cu), each from its own initial state, GVA: as transformers does each
     sequence alone."""
@@ -348,6 +349,7 @@ def test_cuda_kernels_build_without_fla_and_fall_back_to_torch(monkeypatch):
     x, w = torch.randn(1, sum(lens), 6), torch.randn(6, 4)
     assert torch.equal(kernels.conv(x, w, cu), TorchKernels().conv(x, w, cu))
     assert kernels._fla_ops() == ()
+
 
 def test_delta_rule_padding_is_a_no_op():
     """g = 0, beta = 0 past the real end (the padded chunk's convention) leaves the final state at the real end."""
