@@ -19,6 +19,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,21 +29,28 @@ if str(ROOT) not in sys.path:
 
 
 class InstantEngine:
-    """The engine contract (`answer`, `stats`) answering every row at once with uniform probabilities."""
+    """The engine contract the GPU thread drives (`submit`, `step`, `pending`, `stats`: worker.gpu_thread), answering
+    every row in its submission with uniform probabilities; --engine-ms holds each submission that long first."""
 
     def __init__(self, settings=None):
         self.rows = 0
         self.busy_s = float(os.environ.get("OVERHEAD_ENGINE_MS", "0")) / 1e3  # a batch's time (GIL released)
 
-    def answer(self, rows, waiting_rows=0):
+    def submit(self, rows, tags, waiting_rows=0):
         self.rows += len(rows)
         if self.busy_s:
             time.sleep(self.busy_s)
         out = []
-        for r in rows:
+        for tag, r in zip(tags, rows):
             n = r.get("nopts", [4]) if isinstance(r, dict) else [4]
-            out.append({"probs": [[1.0 / k] * k for k in n], "path": "hit", "reused": 0, "computed": 0})
+            out.append((tag, {"probs": [[1.0 / k] * k for k in n], "path": "hit", "reused": 0, "computed": 0}))
         return out
+
+    def step(self):
+        return []
+
+    def pending(self):
+        return 0
 
     def stats(self):
         return {"rows": self.rows}
@@ -58,7 +66,7 @@ async def run(url: str, queue: str, agents: int, seconds: float, tokens: int, pi
     from producer.client import Client
 
     lat: list[float] = []
-    async with await Client.connect(url, queue) as client:
+    async with await Client.connect(url, queue, timeout_s=30) as client:
         await client.answer({"ids": list(range(10, 300)), "state_len": 256, "slots": [289], "nopts": [4]})  # warm
 
         async def agent(i: int, t_end: float) -> None:
@@ -96,11 +104,16 @@ def main(argv=None) -> int:
         env.update(kv.split("=", 1) for kv in args.env)
         env["OVERHEAD_ENGINE_MS"] = str(args.engine_ms)
         prof = ["-m", "cProfile", "-o", os.environ["WORKER_PROFILE"]] if os.environ.get("WORKER_PROFILE") else []
+        log = tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, *prof, "-m", "arq", "worker.WorkerSettings"], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=log, stderr=subprocess.STDOUT)
         try:
             time.sleep(3)
             res = asyncio.run(run(redis_server.url, queue, args.agents, args.seconds, args.tokens, proc.pid))
+        except Exception:
+            log.seek(0)
+            print("the worker's log ends:\n" + log.read().decode(errors="replace")[-3000:], file=sys.stderr)
+            raise
         finally:
             proc.terminate()
             proc.wait(10)
