@@ -2,7 +2,8 @@
 a model of today's engine, with GPU time from a cost model fitted to H200 measurements in bench/results/.
 
     python bench/step_sim.py [--agents 16,64] [--seconds 60] [--warmup-s 10] [--budgets 1024,2048,4096]
-                             [--chunks 512,1024,2048] [--padded] [--fit-log RESULTS_JSON ...] [--seed 0] [--out FILE.json]
+                             [--chunks 512,1024,2048] [--padded] [--fit-log RESULTS_JSON ...] [--host-ms fit]
+                             [--seed 0] [--out FILE.json]
 
 The trace is load_bench's own (`AgentTrace`: states of 2-6k tokens; a visit asks 1-3 questions; then the page grows
 by an action, 75%, or a new page replaces it; each agent sends its next row when its last answer arrives): the k-th
@@ -28,7 +29,10 @@ arrival order, answering it when its forward ends and the rows behind it in a ba
 graph stops every 4 of the 32 layers (`between`) and a stop answers, in a batched forward of their own, the rows
 that arrived meanwhile and continue saved states (the rest wait for the next batch). The steps (`steps`): the
 scheduler plans a step, the step costs the model's time for its pieces, `done` answers its finished rows.
-Both add `--rtt-ms` between an answer and the agent's next row reaching the worker (Redis and arq).
+Both add `--rtt-ms` between an answer and the agent's next row reaching the worker (Redis and arq). `--host-ms`
+puts the GPU thread's own time on the steps' path as worker.gpu_thread turns them (launch a step, finish the one
+before it, answer its rows; `host_fit` reads it off the engine's step seconds in load_bench results): with it the
+simulator gave s55_run1's 4 agents the card as busy as measured (80%), without it 94%.
 """
 
 from __future__ import annotations
@@ -170,6 +174,44 @@ def fit_log(paths: list) -> tuple[CostModel, dict]:
     return model, {"steps": len(y), "median_error": float(np.median(np.abs(err))), "coef": model.coef}
 
 
+def host_fit(paths: list) -> tuple[tuple, list]:
+    """The GPU thread's host time a step, from the engine's step seconds in load_bench results (statecache.step.Steps
+    `seconds`, the worker's `busy_s`; each config's counters less the config's before it in the same run): launch =
+    plan + restore + forward (planning, bringing restores, launching the forwards), finish = done + evict (the scheduler
+    told, planting, the budget) + the rest of the turn (the rows handed to the engine), each a + b * pieces
+    a step, least squares over the configs. -> ((launch, finish, launch a piece, finish a piece) in seconds, the
+    configs' points: (label, pieces a step, launch ms, finish ms))."""
+    points = []
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        prev = None
+        for agents, cfg in d.get("worker", {}).get("configs", {}).items():
+            st = cfg.get("worker_stats", {})
+            eng, wk = st.get("engine", {}), st.get("worker", {})
+            if "steps" not in eng or "busy_s" not in wk:
+                continue
+            cur = {**eng["steps"]["seconds"], "steps": eng["steps"]["steps"], "pieces": eng["steps"]["pieces"],
+                   "busy": wk["busy_s"]}
+            dlt = {k: v - (prev or {}).get(k, 0) for k, v in cur.items()}
+            prev = cur
+            n = dlt["steps"]
+            if n < 50:
+                continue
+            launch = dlt["plan"] + dlt["restore"] + dlt["forward"]
+            finish = dlt["busy"] - launch - dlt["read"]
+            points.append((f"{Path(path).parent.parent.name} {agents}", dlt["pieces"] / n, 1e3 * launch / n,
+                           1e3 * finish / n))
+    if not points:
+        raise SystemExit(f"step_sim: --host-ms fit found no engine step seconds in {paths}")
+    X = np.array([[1.0, k] for _, k, _, _ in points])
+    coef = []
+    for col in (2, 3):
+        y = np.array([p[col] for p in points])
+        c = np.linalg.lstsq(X, y, rcond=None)[0] if len(points) > 1 else np.array([y[0], 0.0])
+        coef.append(np.maximum(c, 0) / 1e3)
+    return (float(coef[0][0]), float(coef[1][0]), float(coef[0][1]), float(coef[1][1])), points
+
+
 # ---- the simulations -----------------------------------------------------------------------------------------------
 
 def make_view(layout: Layout):
@@ -222,14 +264,19 @@ class Agents:
 
 def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chunk: int,
               max_piece: int | None = None, pipelined: bool = False, lead_s: float | None = None,
-              busy_budget: tuple[int, int] | None = None) -> dict:
+              busy_budget: tuple[int, int] | None = None, host_s: tuple | None = None) -> dict:
     """The scheduler's steps back to back. pipelined: as statecache.step runs them, the next step is planned (from
     the rows arrived by then) as soon as this one is launched, and runs right after it, so a row arriving while a
     step runs joins the step after the next one; else the next step is planned when this one has ended. lead_s
     (pipelined): the next step is planned this long before this one ends instead (the time its planning and launch
     take), so rows arriving while this one runs join it. busy_budget (tokens, rows): the scheduler's busy_tokens and
     busy_rows (statecache.sched.steps.Scheduler.budget; the worker's: Settings.step_tokens_busy, three quarters of
-    max_jobs)."""
+    max_jobs). host_s (launch, finish, launch a piece, finish a piece), seconds: the GPU thread's own time, as
+    worker.gpu_thread turns it (implies pipelined): a turn takes the rows arrived by its start, plans and launches a
+    step (launch + pieces * launch a piece of host time; the step runs on the device once that is done and the step
+    before it has ended), then waits for the step launched before it to end and finishes it (finish + its pieces *
+    finish a piece: its answers read, the scheduler told, the cache's budget enforced, the rows handed back), answering
+    its rows then; with nothing in flight and nothing to plan it waits for the next row (`host_fit`)."""
     layout = Layout.from_settings()
     view = make_view(layout)
     busy_tokens, busy_rows = busy_budget or (None, None)
@@ -247,6 +294,32 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
             r.forks = (fork,) if fork else ()
             sched.add(r, found)
         return sched.plan()
+
+    if host_s is not None:
+        launch_s, finish_s, launch_piece_s, finish_piece_s = host_s
+        gpu_end, flight = 0.0, None  # when the device is done with what it was given; (step, its end) in flight
+        while t < seconds:
+            cur = take_and_plan(t)
+            launched = None
+            if cur.pieces:
+                ms = model.step_ms([(pc.start, pc.tokens) for pc in cur.pieces])
+                t += launch_s + launch_piece_s * len(cur.pieces)
+                gpu_end = max(t, gpu_end) + ms / 1e3
+                launched = (cur, gpu_end)
+                busy += ms / 1e3
+                steps += 1
+                if model.padded:
+                    padded += padded_tokens(cur.tokens)
+            if flight is not None:
+                t = max(t, flight[1]) + finish_s + finish_piece_s * len(flight[0].pieces)
+                for f in sched.done(flight[0]):
+                    agents.answer(rows.pop(f.row.rid), t, f.path, f.reused)
+            elif launched is None:
+                t = max(t, agents.next_arrival())
+            flight = launched
+        return {"steps": steps, "busy_s": busy, "end_s": max(t, gpu_end),
+                "tokens_per_step": sched.stats["tokens"] / max(1, steps),
+                "padding": 1 - sched.stats["tokens"] / max(1, padded) if model.padded else None}
 
     cur = take_and_plan(t)
     while t < seconds:
@@ -398,6 +471,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lead-ms", type=float, default=None,
                     help="with --pipelined: plan the next step this long before the running one ends (default: as "
                          "soon as it is launched)")
+    ap.add_argument("--host-ms", default=None, metavar="fit|LAUNCH,FINISH[,LAUNCH_PIECE,FINISH_PIECE]",
+                    help="steps: the GPU thread's host time a step in ms, launch and finish, plus each per piece of the "
+                         "step, as worker.gpu_thread turns (implies --pipelined; `host_fit`); fit: from the engine's "
+                         "step seconds in the --fit-log results")
     ap.add_argument("--intake-ms", type=float, default=0.0,
                     help="with --max-jobs: an answered row's place takes the next row queued in Redis this much later "
                          "(arq's result and poll, the job's start, the row's hand-over to the GPU thread)")
@@ -427,6 +504,22 @@ def main(argv=None) -> int:
         print(f"[fit-log] {info['steps']} logged steps, median |error| {100 * info['median_error']:.1f}%")
     else:
         model, errors = fit()
+    host = None
+    if args.host_ms == "fit":
+        if not args.fit_log:
+            raise SystemExit("step_sim: --host-ms fit reads the --fit-log results")
+        host, points = host_fit(args.fit_log)
+        print("| host of | pieces a step | launch ms | finish ms |\n| --- | ---: | ---: | ---: |")
+        for label, k, la, fi in points:
+            print(f"| {label} | {k:.2f} | {la:.2f} | {fi:.2f} |")
+    elif args.host_ms:
+        ms = [float(x) for x in args.host_ms.split(",")]
+        if len(ms) not in (2, 4):
+            raise SystemExit("step_sim: --host-ms takes fit, LAUNCH,FINISH or LAUNCH,FINISH,LAUNCH_PIECE,FINISH_PIECE")
+        host = tuple(x / 1e3 for x in ms + [0.0, 0.0][: 4 - len(ms)])
+    if host is not None:
+        print(f"[host] launch {1e3 * host[0]:.2f} + {1e3 * host[2]:.2f} * pieces ms, finish {1e3 * host[1]:.2f} + "
+              f"{1e3 * host[3]:.2f} * pieces ms a step")
     a, b, c, d, *e = model.coef
     model.turn_ms = args.turn_ms
     model.padded = args.padded
@@ -457,7 +550,7 @@ def main(argv=None) -> int:
             model.turn_ms = args.turn_ms if policy == "today" else args.step_turn_ms
             info = run_today(agents, model, args.seconds) if policy == "today" else \
                 run_steps(agents, model, args.seconds, B, C, args.max_piece, args.pipelined,
-                          None if args.lead_ms is None else args.lead_ms / 1e3, busy_budget)
+                          None if args.lead_ms is None else args.lead_ms / 1e3, busy_budget, host)
             s = summary(agents, args.warmup_s, args.seconds, info["busy_s"], info["end_s"])
             s.update(agents=n, policy=policy, budget=B, chunk=C, sim_s=round(time.perf_counter() - t0, 1),
                      turn_ms=model.turn_ms, tokens_per_step=round(info.get("tokens_per_step", 0)),

@@ -178,3 +178,49 @@ def test_the_simulators_busy_budget_gives_fuller_steps_only_while_the_scheduler_
 
     plain, never, always = per_step(None), per_step((3072, 10**6)), per_step((3072, 1))
     assert never == plain and always > 1.2 * plain, (plain, never, always)
+
+
+def test_the_simulator_fits_the_gpu_threads_host_time_from_the_engines_step_seconds(tmp_path):
+    """step_sim --host-ms fit: launch (plan + restore + forward) and finish (the turn's busy time less launch and the
+    wait for the device) a step, each a + b * pieces, from each config's counters less the config's before it (the
+    worker's counters run from its start)."""
+    import json
+
+    S = _step_sim()
+
+    def counters(steps, launch_ms, finish_ms, read_ms):
+        sec = {"plan": 0.1 * launch_ms * steps / 1e3, "restore": 0.2 * launch_ms * steps / 1e3,
+               "forward": 0.7 * launch_ms * steps / 1e3, "read": read_ms * steps / 1e3, "done": 0.0, "evict": 0.0}
+        return sec, (launch_ms + finish_ms + read_ms) * steps / 1e3
+
+    configs, total = {}, {"steps": 0, "pieces": 0, "busy": 0.0}
+    acc = {k: 0.0 for k in ("plan", "restore", "forward", "read", "done", "evict")}
+    for agents, steps, per in (("4", 1000, 2.0), ("16", 500, 6.0), ("64", 400, 10.0)):
+        sec, busy = counters(steps, 3.0 + 1.5 * per, 2.5 + 1.75 * per, 7.0)
+        acc = {k: acc[k] + sec[k] for k in acc}
+        total = {"steps": total["steps"] + steps, "pieces": total["pieces"] + steps * per, "busy": total["busy"] + busy}
+        configs[agents] = {"worker_stats": {
+            "engine": {"steps": {"steps": total["steps"], "pieces": total["pieces"], "seconds": dict(acc)}},
+            "worker": {"busy_s": total["busy"]}}}
+    (tmp_path / "results.json").write_text(json.dumps({"worker": {"configs": configs}}))
+    host, points = S.host_fit([tmp_path / "results.json"])
+    assert [round(1e3 * h, 6) for h in host] == [3.0, 2.5, 1.5, 1.75]
+    assert [(round(k, 6), round(la, 6), round(fi, 6)) for _, k, la, fi in points] == [
+        (2.0, 6.0, 6.0), (6.0, 12.0, 13.0), (10.0, 18.0, 20.0)]
+
+
+def test_the_simulators_gpu_thread_puts_its_host_time_on_a_lone_rows_path():
+    """With the GPU thread's host time (run_steps host_s), one agent's row waits for its step's launch and finish
+    beside the device: each hit takes that much longer than with the host off the path, and the device idles for it."""
+    S = _step_sim()
+    model, _ = S.fit()
+
+    def run(host):
+        agents = S.Agents(1, S.trace_seed(0, 0), 0.0)
+        info = S.run_steps(agents, model, 10.0, 2048, 512, 512, True, host_s=host)
+        hits = sorted(b - a for a, b, p, _, _ in agents.records if p == "hit")
+        return hits[len(hits) // 2], info["busy_s"] / info["end_s"]
+
+    (free, busy_free), (held, busy_held) = run(None), run((0.004, 0.003, 0.001, 0.001))
+    assert abs(held - free - 0.009) < 0.002, (free, held)  # launch 4 + 1 a piece, finish 3 + 1: one piece a step
+    assert busy_held < busy_free
