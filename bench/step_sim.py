@@ -31,8 +31,8 @@ that arrived meanwhile and continue saved states (the rest wait for the next bat
 scheduler plans a step, the step costs the model's time for its pieces, `done` answers its finished rows.
 Both add `--rtt-ms` between an answer and the agent's next row reaching the worker (Redis and arq). `--host-ms`
 puts the GPU thread's own time on the steps' path as worker.gpu_thread turns them (launch a step, finish the one
-before it, answer its rows; `host_fit` reads it off the engine's step seconds in load_bench results): with it the
-simulator gave s55_run1's 4 agents the card as busy as measured (80%), without it 94%.
+before it, answer its rows; `host_fit` reads it off the engine's step seconds in load_bench results). How near
+each form comes to the worker's measurements, by agents count: bench/README.md.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def run_steps(agents: Agents, model: CostModel, seconds: float, budget: int, chu
     worker.gpu_thread turns it (implies pipelined): a turn takes the rows arrived by its start, plans and launches a
     step (launch + pieces * launch a piece of host time; the step runs on the device once that is done and the step
     before it has ended), then waits for the step launched before it to end and finishes it (finish + its pieces *
-    finish a piece: its answers read, the scheduler told, the cache's budget enforced, the rows handed back), answering
+    finish a piece: its answers read, the scheduler told, the cache's budget enforced, the turn's other work), answering
     its rows then; with nothing in flight and nothing to plan it waits for the next row (`host_fit`)."""
     layout = Layout.from_settings()
     view = make_view(layout)
