@@ -118,13 +118,19 @@ def padded_tokens(tokens: int) -> int:
     return bucket(tokens, TOKENS) or tokens
 
 
-def _lstsq(graph, floor: int):
-    X = np.array([[1.0, max(t, floor), k, pr / 1e6] for k, t, pr, _, _ in graph])
-    y = np.array([ms for *_, ms, _ in graph])
-    coef = np.maximum(np.linalg.lstsq(X, y, rcond=None)[0], 0)  # no negative cost (refit the others when one clips)
+def _nonnegative(X, y):
+    """Least squares with no negative cost: a coefficient that comes out below 0 is 0, the others fitted again."""
+    coef = np.maximum(np.linalg.lstsq(X, y, rcond=None)[0], 0)
     if (coef == 0).any():
         keep = coef > 0
         coef[keep] = np.linalg.lstsq(X[:, keep], y, rcond=None)[0]
+    return coef
+
+
+def _lstsq(graph, floor: int):
+    X = np.array([[1.0, max(t, floor), k, pr / 1e6] for k, t, pr, _, _ in graph])
+    y = np.array([ms for *_, ms, _ in graph])
+    coef = _nonnegative(X, y)
     return coef, float(np.sum(((X @ coef) - y) ** 2 / y ** 2))
 
 
@@ -207,8 +213,8 @@ def host_fit(paths: list) -> tuple[tuple, list]:
     coef = []
     for col in (2, 3):
         y = np.array([p[col] for p in points])
-        c = np.linalg.lstsq(X, y, rcond=None)[0] if len(points) > 1 else np.array([y[0], 0.0])
-        coef.append(np.maximum(c, 0) / 1e3)
+        c = _nonnegative(X, y) if len(points) > 1 else np.array([y[0], 0.0])
+        coef.append(c / 1e3)
     return (float(coef[0][0]), float(coef[1][0]), float(coef[0][1]), float(coef[1][1])), points
 
 
