@@ -18,9 +18,9 @@ The cost model (`fit`): milliseconds of one forward's graph = a + b * tokens + c
 batched hits of 64-token questions from 4096-token states (gpu_batch.py, s9_run1, s10_run4, s11_run2) and one
 uncached row of 2496, 3072, 4160 tokens (gpu_plant.py, s10_run4); the host's share of a forward (wall less graph,
 the same gpu_batch runs) = h0 + h1 * sequences. The fit's error on every point is printed. `--fit-log RESULTS_JSON`
-fits it instead to the steps a worker ran (load_bench results: the engine logs its last steps' pieces, tokens, padded
-tokens, longest piece, attention pairs and device time, statecache.step.STEP_LOG_FIELDS), on whatever card ran them,
-with a fifth term for the 64-token chunks of a step's longest piece (the delta rule runs them one after another).
+reads it instead off the steps a worker ran, on whatever card ran them (load_bench results: the engine logs its last
+steps' shapes and device time, statecache.step.STEP_LOG_FIELDS): a step costs what the logged steps of its padded
+tokens cost (`fit_log`).
 
 Today's policy (`today`), as statecache.engine and worker.gpu_thread run it: the GPU thread takes every row waiting
 as a batch; the engine runs one batched forward for its hits and the first row of each grown state, one for the
@@ -62,8 +62,8 @@ from statecache.settings import Settings  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 LAYERS, BETWEEN_LAYERS = 32, 4  # the 9B shape's layers; today's planting graph stops every 4 (Settings.between_layers)
 PLANT_RATIO = 1.02  # planting graph / plain graph of the same row (s10_run4: 1.015-1.028)
-CHUNK = 64  # the delta rule's chunk (statecache.run.batch.CHUNK; that module imports torch)
 CACHE_MB = 66_171  # the worker's budget in s11_run2 (results.md)
+LOG_BUCKET_STEPS = 10  # fit_log: logged steps a token bucket needs to be a point of the table
 
 
 # ---- the cost model --------------------------------------------------------------------------------------------------
@@ -91,17 +91,26 @@ class CostModel:
         self.coef, self.hcoef, self.floor = coef, hcoef, floor
         self.turn_ms = turn_ms  # the GPU thread's host time per turn (a batch, a stop that runs rows, a step)
         self.padded = False  # True: a forward's tokens cost as its token bucket's (the batched runner's padding)
+        self.table: list | None = None  # fit_log's (padded tokens, device ms) in place of the coefficients
 
     def graph_ms(self, pieces) -> float:
-        """pieces: (start, length) per sequence. A fifth coefficient (fit_log's) charges each 64-token chunk of the
-        longest piece: the delta rule runs a sequence's chunks one after another."""
-        a, b, c, d, *e = self.coef
+        """pieces: (start, length) per sequence."""
+        a, b, c, d = self.coef
         toks = sum(L for _, L in pieces)
         if self.padded:
             toks = padded_tokens(toks)
+        if self.table is not None:
+            return self.table_ms(toks)
         pairs = sum(attn_pairs(s, L) for s, L in pieces)
-        chain = e[0] * -(-max((L for _, L in pieces), default=0) // CHUNK) if e else 0.0
-        return a + b * max(toks, self.floor) + c * len(pieces) + d * pairs / 1e6 + chain
+        return a + b * max(toks, self.floor) + c * len(pieces) + d * pairs / 1e6
+
+    def table_ms(self, toks: int) -> float:
+        """The table's ms at `toks` padded tokens: linear between its points, the first's below them, the last two's
+        slope above them."""
+        xs, ys = [k for k, _ in self.table], [ms for _, ms in self.table]
+        if toks > xs[-1]:
+            return ys[-1] + (toks - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return float(np.interp(toks, xs, ys))
 
     def host_ms(self, seqs: int) -> float:
         return self.hcoef[0] + self.hcoef[1] * seqs + (self.turn_ms if seqs else 0.0)
@@ -152,14 +161,15 @@ def fit() -> tuple[CostModel, list]:
 
 
 def fit_log(paths: list) -> tuple[CostModel, dict]:
-    """A cost model fitted to the steps a worker ran (load_bench's results.json: each config's
-    worker_stats.engine.step_log, statecache.step.STEP_LOG_FIELDS): device ms = a + b * padded tokens + c * pieces +
-    d * M attention pairs + e * 64-token chunks of the longest piece, least squares over every logged step; the
-    host's share is off the device's path in the pipelined step loop (none). Steps are charged at their token buckets
-    (the model is `padded`). The terms are the engine's (statecache.step.cost_terms). -> (model, summary)."""
-    from statecache.step import cost_terms  # (imports torch, as --padded does)
-
-    X, y = [], []
+    """A cost model read off the steps a worker ran (load_bench's results.json: each config's
+    worker_stats.engine.step_log, statecache.step.STEP_LOG_FIELDS): a step's device ms is the median of the logged
+    steps that ran as many padded tokens (the batched runner's token buckets; a bucket needs LOG_BUCKET_STEPS steps),
+    linear between buckets, the smallest's below them and the last two's slope above them. The host's share is off
+    the device's path in the pipelined step loop (none). It replaced a linear fit in padded tokens, pieces, attention
+    pairs and the longest piece's chunks, whose intercept, set by the long steps, overstated the short ones
+    (bench/README.md). The table knows the steps of the logged traffic only: a mix of pieces or attention unlike the
+    log's at the same bucket costs as the log's. -> (model, summary: its median error over the logged steps)."""
+    by: dict = {}
     for path in paths:
         d = json.loads(Path(path).read_text())
         for cfg in d.get("worker", {}).get("configs", {}).values():
@@ -167,26 +177,28 @@ def fit_log(paths: list) -> tuple[CostModel, dict]:
             f = st.get("fields")
             for row in st.get("steps", ()):
                 r = dict(zip(f, row))
-                X.append(cost_terms(r["pieces"], r["padded"], r["longest"], r["attn_pairs_m"]))
-                y.append(r["device_ms"])
-    if len(y) < 8:
-        raise SystemExit(f"step_sim: --fit-log found {len(y)} logged steps in {paths}; it needs a load_bench run of this "
-                         f"tree (the worker logs its last steps)")
-    X, y = np.array(X), np.array(y)
-    coef = np.maximum(np.linalg.lstsq(X, y, rcond=None)[0], 0)
-    err = (X @ coef - y) / y
-    model = CostModel(tuple(float(c) for c in coef), (0.0, 0.0), 0)
-    model.padded = True
-    return model, {"steps": len(y), "median_error": float(np.median(np.abs(err))), "coef": model.coef}
+                by.setdefault(int(r["padded"]), []).append(float(r["device_ms"]))
+    table = [(k, float(np.median(v))) for k, v in sorted(by.items()) if len(v) >= LOG_BUCKET_STEPS]
+    if len(table) < 2:
+        raise SystemExit(f"step_sim: --fit-log found {sum(map(len, by.values()))} logged steps in {paths}, in "
+                         f"{len(table)} token buckets of {LOG_BUCKET_STEPS} steps or more; it needs two (a load_bench "
+                         f"run of this tree: the worker logs its last steps)")
+    model = CostModel((0.0, 0.0, 0.0, 0.0), (0.0, 0.0), 0)
+    model.table, model.padded = table, True
+    err = [abs(model.table_ms(k) - ms) / ms for k, v in by.items() for ms in v]
+    return model, {"steps": len(err), "median_error": float(np.median(err)), "table": table}
 
 
 def host_fit(paths: list) -> tuple[tuple, list]:
     """The GPU thread's host time a step, from the engine's step seconds in load_bench results (statecache.step.Steps
     `seconds`, the worker's `busy_s`; each config's counters less the config's before it in the same run): launch =
     plan + restore + forward (planning, bringing restores, launching the forwards), finish = done + evict (the scheduler
-    told, planting, the budget) + the rest of the turn (the rows handed to the engine), each a + b * pieces
-    a step, least squares over the configs. -> ((launch, finish, launch a piece, finish a piece) in seconds, the
-    configs' points: (label, pieces a step, launch ms, finish ms))."""
+    told, planting, the budget) + the rest of the turn (the rows handed to the engine): the turn less launch and its
+    waits for the device (`read`, `wait`), each a + b * pieces a step, least squares over the configs. Runs of trees
+    before `wait` was counted waited for a step without answers (new pages' chunks alone) inside `done`: there the
+    wait is taken as `done` less `plant` (the rest of `done` is the scheduler told and the rows' answers, 0.15-0.21 ms
+    a step on the CPU machine; bench/README), and the point's label says so. -> ((launch, finish, launch a piece,
+    finish a piece) in seconds, the configs' points: (label, pieces a step, launch ms, finish ms))."""
     points = []
     for path in paths:
         d = json.loads(Path(path).read_text())
@@ -204,9 +216,13 @@ def host_fit(paths: list) -> tuple[tuple, list]:
             if n < 50:
                 continue
             launch = dlt["plan"] + dlt["restore"] + dlt["forward"]
-            finish = dlt["busy"] - launch - dlt["read"]
-            points.append((f"{Path(path).parent.parent.name} {agents}", dlt["pieces"] / n, 1e3 * launch / n,
-                           1e3 * finish / n))
+            label = f"{Path(path).parent.parent.name} {agents}"
+            if "wait" in cur:
+                wait = dlt["wait"]
+            else:
+                wait, label = dlt["done"] - dlt.get("plant", 0.0), label + " (done as wait)"
+            finish = dlt["busy"] - launch - dlt["read"] - wait
+            points.append((label, dlt["pieces"] / n, 1e3 * launch / n, 1e3 * finish / n))
     if not points:
         raise SystemExit(f"step_sim: --host-ms fit found no engine step seconds in {paths}")
     X = np.array([[1.0, k] for _, k, _, _ in points])
@@ -461,7 +477,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--budgets", default="1024,2048,4096")
     ap.add_argument("--chunks", default="512,1024,2048")
-    ap.add_argument("--rtt-ms", type=float, default=4.0, help="an answer to the agent and its next row to the worker")
+    ap.add_argument("--rtt-ms", type=float, default=8.0,
+                    help="an answer to the agent and its next row to the worker (s56_run1, one agent on an H100 host: "
+                         "6.0 ms from enqueue to the GPU thread, 1.9 ms from the answer to the agent)")
     ap.add_argument("--turn-ms", type=float, default=4.8,
                     help="the GPU thread's host time per turn that runs rows, beyond the forward's own host share "
                          "(s11_run2, 16 agents: between stops took 18.7 s over 1603 calls, 11.7 ms each, where a "
@@ -497,9 +515,8 @@ def main(argv=None) -> int:
                          "table gives the share of padding (the fit's points are whole buckets but for the one-row "
                          "graphs of 2496 and 4160 tokens; needs torch, for the buckets)")
     ap.add_argument("--fit-log", nargs="+", default=None, metavar="RESULTS_JSON",
-                    help="fit the cost model to the steps a worker logged in these load_bench results (device ms by "
-                         "padded tokens, pieces, attention pairs and the longest piece's chunks; implies --padded) instead of the "
-                         "H200 graph timings")
+                    help="read the cost model off the steps a worker logged in these load_bench results (device ms by "
+                         "padded tokens; implies --padded) instead of the H200 graph timings")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -526,20 +543,21 @@ def main(argv=None) -> int:
     if host is not None:
         print(f"[host] launch {1e3 * host[0]:.2f} + {1e3 * host[2]:.2f} * pieces ms, finish {1e3 * host[1]:.2f} + "
               f"{1e3 * host[3]:.2f} * pieces ms a step")
-    a, b, c, d, *e = model.coef
+    a, b, c, d = model.coef
     model.turn_ms = args.turn_ms
     model.padded = args.padded
     if args.step_turn_ms is None:
         args.step_turn_ms = args.turn_ms
-    print(f"[fit] graph ms = {a:.3f} + {b * 1e3:.4f} us/token * max(tokens, {model.floor}) + {c:.4f} * seqs + "
-          f"{d:.4f} * M attention pairs" + (f" + {e[0]:.4f} * chunks of the longest piece" if e else "") +
-          f"; host ms = {model.hcoef[0]:.3f} + {model.hcoef[1]:.4f} * seqs + {args.turn_ms} "
+    graph = (f"{a:.3f} + {b * 1e3:.4f} us/token * max(tokens, {model.floor}) + {c:.4f} * seqs + {d:.4f} * M "
+             f"attention pairs") if model.table is None else \
+        "by padded tokens " + ", ".join(f"{k}: {ms:.1f}" for k, ms in model.table)
+    print(f"[fit] graph ms = {graph}; host ms = {model.hcoef[0]:.3f} + {model.hcoef[1]:.4f} * seqs + {args.turn_ms} "
           f"a turn of the GPU thread")
     if errors:  # the graph points of the H200 fit
         print("| point | seqs | tokens | measured ms | model ms | error |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for src, k, t, ms, pred, err in errors:
         print(f"| {src} | {k} | {t} | {ms:.2f} | {pred:.2f} | {err:+.1f}% |")
-    out = {"fit": {"coef": model.coef, "host": model.hcoef, "points": errors}, "runs": []}
+    out = {"fit": {"coef": model.coef, "table": model.table, "host": model.hcoef, "points": errors}, "runs": []}
     policies = args.policies.split(",")
     busy_budget = None if args.busy_budget is None else tuple(int(x) for x in args.busy_budget.split("@"))
     configs = [("today", None, None)] * ("today" in policies) + [

@@ -43,7 +43,7 @@ import torch
 from statecache.cache.index import DEVICE
 from statecache.cache.store import Answer, StateCache
 from statecache.cache.tiers import kv_rows
-from statecache.run.batch import CHUNK, SNAPS_PER_PIECE, NotBatched, Piece
+from statecache.run.batch import SNAPS_PER_PIECE, NotBatched, Piece
 from statecache.run.graphs import n_options
 from statecache.sched import Layout, OverIndex, Row, Scheduler, attn_pairs, slots_at_one_position
 
@@ -57,16 +57,8 @@ BUSY_SHARE = 0.75
 STEP_LOG = 1024  # the last steps `Steps.log` keeps
 # a logged step: its pieces, their tokens, the tokens its forwards ran (token buckets), its longest piece, its attention
 # query-key pairs in millions (each piece L * (start + L / 2)), and its device milliseconds (CUDA events around its
-# forwards; on the CPU their wall time): what bench/step_sim.py's cost model is fitted to
+# forwards; on the CPU their wall time): what bench/step_sim.py's cost model is read from (`fit_log`)
 STEP_LOG_FIELDS = ("pieces", "tokens", "padded", "longest", "attn_pairs_m", "device_ms")
-
-
-def cost_terms(pieces: int, padded: int, longest: int, attn_pairs_m: float) -> list[float]:
-    """A step's terms in the device-time model (ms = terms . coefficients, least squares over logged steps): a
-    constant, its padded tokens (the matmuls), its pieces, its attention pairs in millions, and the CHUNK-token
-    chunks of its longest piece (the delta rule runs a sequence's chunks one after another). bench/step_sim.py's
-    --fit-log fits it to a worker's log."""
-    return [1.0, float(padded), float(pieces), float(attn_pairs_m), float(-(-longest // CHUNK))]
 
 
 class RowFailed(Exception):
@@ -181,9 +173,11 @@ class Steps:
         self.stats = {"steps": 0, "forwards": 0, "pieces": 0, "tokens": 0, "oom_relieved": 0, "oom_failed": 0,
                       "failed": 0}
         # where a step's wall time went (seconds, cumulative): planning, bringing restores to the device, launching
-        # the forwards (keeping states inside it: `keep`), waiting for and reading the answers, the scheduler's done
-        # (planting inside it: `plant`), evicting
-        self.seconds = dict.fromkeys(("plan", "restore", "forward", "keep", "read", "done", "plant", "evict"), 0.0)
+        # the forwards (keeping states inside it: `keep`), waiting for and reading the answers, waiting for the rest
+        # of the step (`wait`: a step whose forwards answer nothing, new pages' chunks alone, is waited for only
+        # here), the scheduler's done (planting inside it: `plant`), evicting. All but `read` and `wait` is host time.
+        self.seconds = dict.fromkeys(("plan", "restore", "forward", "keep", "read", "wait", "done", "plant", "evict"),
+                                     0.0)
         self._flight: _Flight | None = None  # the step launched and not yet finished
         self.log: deque = deque(maxlen=STEP_LOG)  # the last steps, as STEP_LOG_FIELDS tuples
 
@@ -328,7 +322,9 @@ class Steps:
                         live.probs[j] = probs[b, k, : n_options(opts)].tolist()
         t1 = time.perf_counter()
         sec["read"] += t1 - t0
-        self._log(flight)
+        self._log(flight)  # waits for the step's end
+        t0, t1 = t1, time.perf_counter()
+        sec["wait"] += t1 - t0
         for fin in self.sched.done(flight.step):
             live = self.live.pop(fin.row.rid)
             self._end(fin.row.rid, live)
@@ -362,7 +358,8 @@ class Steps:
         return event
 
     def _log(self, flight: "_Flight") -> None:
-        """The finished step's shape and device time into `log` (its answers are read: its forwards have run)."""
+        """The finished step's shape and device time into `log`, once the step has ended on the device (waited for
+        here: a step with answers has ended when they are read; one without, new pages' chunks alone, has not)."""
         if not flight.timing:
             return
         start, end, shape = flight.timing

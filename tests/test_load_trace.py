@@ -5,6 +5,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -141,29 +143,34 @@ def test_the_simulator_plants_fork_points_as_the_engine_does():
     assert paths.count("partial") > 0.2 * len(paths)
 
 
-def test_the_simulator_fits_its_cost_model_to_the_steps_a_worker_logged(tmp_path):
-    """step_sim --fit-log: device ms = a + b padded tokens + c pieces + d M attention pairs + e chunks of the longest
-    piece, least squares over the steps logged in load_bench results (statecache.step.STEP_LOG_FIELDS); the model then
-    charges token buckets and the longest piece's chain."""
+def test_the_simulator_reads_its_cost_model_off_the_steps_a_worker_logged(tmp_path):
+    """step_sim --fit-log: a step's device ms is the median of the logged steps of its padded tokens (buckets of
+    fewer than LOG_BUCKET_STEPS steps left out), linear between buckets, the smallest's below them and the last two's
+    slope above them; the model charges a step at its token bucket."""
     import json
 
     S = _step_sim()
     from statecache.step import STEP_LOG_FIELDS
 
     rng = random.Random(3)
-    log = []
-    for _ in range(200):
-        pieces, padded, pairs = rng.randint(1, 20), rng.choice([256, 512, 1024, 1536, 2048]), rng.uniform(0.1, 20)
-        longest = rng.choice([40, 64, 65, 200, 512])  # 1, 1, 2, 4, 8 chunks
-        log.append([pieces, padded - 7, padded, longest, pairs,
-                    2.0 + 0.03 * padded + 0.2 * pieces + 0.5 * pairs + 0.3 * -(-longest // 64)])
+    log, n = [], S.LOG_BUCKET_STEPS | 1  # steps a bucket, an odd count
+    for padded, ms in ((256, 10.0), (512, 16.0), (1024, 29.0), (2048, 57.0)):
+        for k in range(n):  # a median of ms, whatever else the steps hold
+            log.append([rng.randint(1, 8), padded - 7, padded, rng.randint(1, padded), rng.uniform(0.1, 20),
+                        ms + (k - n // 2) * rng.uniform(0.1, 0.5)])
+    log.append([1, 3000, 3072, 3000, 1.0, 500.0])  # one step alone is no point of the table
     cfg = {"worker_stats": {"engine": {"step_log": {"fields": list(STEP_LOG_FIELDS), "steps": log}}}}
     (tmp_path / "results.json").write_text(json.dumps({"worker": {"configs": {"16": cfg}}}))
     model, info = S.fit_log([tmp_path / "results.json"])
-    assert info["steps"] == 200 and info["median_error"] < 1e-6
-    assert [round(c, 6) for c in model.coef] == [2.0, 0.03, 0.2, 0.5, 0.3] and model.padded
-    assert abs(model.graph_ms([(0, 200), (4000, 50)]) - (2.0 + 0.03 * 256 + 0.4 + 0.5 * (200 * 100 + 50 * 4025) / 1e6
-                                                         + 0.3 * 4)) < 1e-9  # 250 tokens: the 256 bucket
+    assert info["steps"] == 4 * n + 1 and model.padded
+    assert [(k, round(ms, 6)) for k, ms in model.table] == [(256, 10.0), (512, 16.0), (1024, 29.0), (2048, 57.0)]
+    assert model.graph_ms([(0, 200), (4000, 50)]) == 10.0  # 250 tokens: the 256 bucket
+    assert model.graph_ms([(0, 40)]) == 10.0  # below the table: its first point
+    assert model.table_ms(768) == 22.5 and model.table_ms(3072) == 85.0  # between points; above: the last slope
+    with pytest.raises(SystemExit, match="token buckets"):
+        cfg["worker_stats"]["engine"]["step_log"]["steps"] = log[:n] + log[-1:]
+        (tmp_path / "results.json").write_text(json.dumps({"worker": {"configs": {"16": cfg}}}))
+        S.fit_log([tmp_path / "results.json"])
 
 
 def test_the_simulators_busy_budget_gives_fuller_steps_only_while_the_scheduler_holds_that_many_rows():
@@ -182,31 +189,43 @@ def test_the_simulators_busy_budget_gives_fuller_steps_only_while_the_scheduler_
 
 def test_the_simulator_fits_the_gpu_threads_host_time_from_the_engines_step_seconds(tmp_path):
     """step_sim --host-ms fit: launch (plan + restore + forward) and finish (the turn's busy time less launch and the
-    wait for the device) a step, each a + b * pieces, from each config's counters less the config's before it (the
-    worker's counters run from its start)."""
+    waits for the device, `read` and `wait`) a step, each a + b * pieces, from each config's counters less the config's
+    before it (the worker's counters run from its start). A run before `wait` was counted had it inside `done`: there
+    `done` less `plant` is taken as the wait, and the fit is the same."""
     import json
 
     S = _step_sim()
 
-    def counters(steps, launch_ms, finish_ms, read_ms):
+    def counters(steps, launch_ms, finish_ms, read_ms, wait_ms, wait_in_done):
         sec = {"plan": 0.1 * launch_ms * steps / 1e3, "restore": 0.2 * launch_ms * steps / 1e3,
-               "forward": 0.7 * launch_ms * steps / 1e3, "read": read_ms * steps / 1e3, "done": 0.0, "evict": 0.0}
-        return sec, (launch_ms + finish_ms + read_ms) * steps / 1e3
+               "forward": 0.7 * launch_ms * steps / 1e3, "read": read_ms * steps / 1e3, "evict": 0.0}
+        if wait_in_done:  # planting is host time inside done
+            sec.update(done=(wait_ms + 0.5) * steps / 1e3, plant=0.5 * steps / 1e3)
+        else:
+            sec.update(wait=wait_ms * steps / 1e3, done=0.5 * steps / 1e3, plant=0.5 * steps / 1e3)
+        return sec, (launch_ms + finish_ms + read_ms + wait_ms) * steps / 1e3
 
-    configs, total = {}, {"steps": 0, "pieces": 0, "busy": 0.0}
-    acc = {k: 0.0 for k in ("plan", "restore", "forward", "read", "done", "evict")}
-    for agents, steps, per in (("4", 1000, 2.0), ("16", 500, 6.0), ("64", 400, 10.0)):
-        sec, busy = counters(steps, 3.0 + 1.5 * per, 2.5 + 1.75 * per, 7.0)
-        acc = {k: acc[k] + sec[k] for k in acc}
-        total = {"steps": total["steps"] + steps, "pieces": total["pieces"] + steps * per, "busy": total["busy"] + busy}
-        configs[agents] = {"worker_stats": {
-            "engine": {"steps": {"steps": total["steps"], "pieces": total["pieces"], "seconds": dict(acc)}},
-            "worker": {"busy_s": total["busy"]}}}
-    (tmp_path / "results.json").write_text(json.dumps({"worker": {"configs": configs}}))
-    host, points = S.host_fit([tmp_path / "results.json"])
-    assert [round(1e3 * h, 6) for h in host] == [3.0, 2.5, 1.5, 1.75]
-    assert [(round(k, 6), round(la, 6), round(fi, 6)) for _, k, la, fi in points] == [
-        (2.0, 6.0, 6.0), (6.0, 12.0, 13.0), (10.0, 18.0, 20.0)]
+    def fit(wait_in_done):
+        configs, total, acc = {}, {"steps": 0, "pieces": 0, "busy": 0.0}, {}
+        for agents, steps, per in (("4", 1000, 2.0), ("16", 500, 6.0), ("64", 400, 10.0)):
+            sec, busy = counters(steps, 3.0 + 1.5 * per, 2.5 + 1.75 * per, 7.0, 9.0 / per, wait_in_done)
+            acc = {k: acc.get(k, 0.0) + sec[k] for k in sec}
+            total = {"steps": total["steps"] + steps, "pieces": total["pieces"] + steps * per,
+                     "busy": total["busy"] + busy}
+            configs[agents] = {"worker_stats": {
+                "engine": {"steps": {"steps": total["steps"], "pieces": total["pieces"], "seconds": dict(acc)}},
+                "worker": {"busy_s": total["busy"]}}}
+        out = tmp_path / f"{wait_in_done}" / "load1664" / "results.json"
+        out.parent.mkdir(parents=True)
+        out.write_text(json.dumps({"worker": {"configs": configs}}))
+        return S.host_fit([out])
+
+    for wait_in_done in (False, True):
+        host, points = fit(wait_in_done)
+        assert [round(1e3 * h, 6) for h in host] == [3.0, 2.5, 1.5, 1.75]
+        assert [(round(k, 6), round(la, 6), round(fi, 6)) for _, k, la, fi in points] == [
+            (2.0, 6.0, 6.0), (6.0, 12.0, 13.0), (10.0, 18.0, 20.0)]
+        assert all(label.endswith("(done as wait)") == wait_in_done for label, *_ in points), points
 
 
 def test_the_simulators_gpu_thread_puts_its_host_time_on_a_lone_rows_path():
