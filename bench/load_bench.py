@@ -647,11 +647,14 @@ def markdown(res: dict) -> str:
         lines += [f"Cache budget: {b['mb']:,} MiB, {b['states_4k']:.1f} states of 4096 tokens ({b['source']}); "
                   f"precapture: {eng.get('precapture')}.", ""]
     cfgs = res.get("worker", {}).get("configs", {})
-    mem = [(n, s.get("worker_stats", {}).get("engine", {}).get("device_memory_mb")) for n, s in cfgs.items()]
-    if any(m for _, m in mem):
-        lines += ["Device memory after each agents count (MiB): " + "; ".join(
-            f"{n} agents: peak {m['peak_allocated']:,.0f}, reserved {m['reserved']:,.0f}, free {m['free']:,.0f}"
-            for n, m in mem if m), ""]
+    mem = [(n, s.get("worker_stats", {}).get("engine", {}).get("device_memory_mb"),
+            s.get("worker_stats", {}).get("engine", {}).get("allocator") or {}) for n, s in cfgs.items()]
+    if any(m for _, m, _ in mem):
+        lines += ["Device memory after each agents count (MiB; the caching allocator's retries, device frees and "
+                  "syncs since start-up): " + "; ".join(
+                      f"{n} agents: peak {m['peak_allocated']:,.0f}, reserved {m['reserved']:,.0f}, free {m['free']:,.0f}"
+                      + (f", retries {a['alloc_retries']}, frees {a['device_frees']}, syncs {a['syncs']}" if a else "")
+                      for n, m, a in mem if m), ""]
     lines += ["| agents | rows/s | rows | failed | memo | hit | partial | cold | plain | p50 ms | p99 ms | hit p50 ms | "
               "hit p99 ms | new page p50 ms | reused / unbounded | reused of all tokens | GPU busy % | tokens computed a "
               "row | device us a computed token |",

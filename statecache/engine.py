@@ -612,10 +612,17 @@ class Engine:
             return {}
         mib = lambda b: round(b / 2**20, 1)  # noqa: E731
         free, total = torch.cuda.mem_get_info(self.device)
+        # the caching allocator's calls to the driver: a request it could not serve from its blocks frees them and
+        # asks again (`alloc_retries`); freeing device memory waits for the whole device (`device_frees`,
+        # `syncs`), so these count the stalls the allocator puts between steps
+        ms = torch.cuda.memory_stats_as_nested_dict(self.device)
         return {"device_memory_mb": {"allocated": mib(torch.cuda.memory_allocated(self.device)),
                                      "reserved": mib(torch.cuda.memory_reserved(self.device)),
                                      "peak_allocated": mib(torch.cuda.max_memory_allocated(self.device)),
-                                     "free": mib(free), "total": mib(total)}}
+                                     "free": mib(free), "total": mib(total)},
+                "allocator": {"alloc_retries": ms.get("num_alloc_retries", 0), "ooms": ms.get("num_ooms", 0),
+                              "device_allocs": ms.get("num_device_alloc", 0),
+                              "device_frees": ms.get("num_device_free", 0), "syncs": ms.get("num_sync_all_streams", 0)}}
 
 
 @dataclasses.dataclass(frozen=True)

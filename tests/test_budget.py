@@ -92,8 +92,10 @@ def test_engine_sizes_the_cache_from_the_device():
     free, _ = torch.cuda.mem_get_info()
     assert b.mb * 2**20 <= 0.5 * (free + 2**30)  # half of what was free then (the cache is still empty)
     assert eng.cache.index.budget_bytes == b.mb * 2**20
-    mem = eng.stats()["device_memory_mb"]
+    st = eng.stats()
+    mem = st["device_memory_mb"]
     assert mem["total"] > mem["free"] > 0
+    assert st["allocator"]["device_allocs"] > 0 and st["allocator"]["alloc_retries"] >= 0  # the caching allocator's calls
 
 
 def test_rebudget_follows_what_other_processes_take_and_give_back():
