@@ -387,6 +387,7 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
             out["cache_at_start"] = st.get("engine", {}).get("cache")
         except Exception as e:  # noqa: BLE001
             out["engine_at_start"] = {"error": str(e)}
+        steps_before = out["engine_at_start"].get("steps", {}).get("steps") or 0
         for k, n in enumerate(args.agents):
             trace = AgentTrace(n, seed=trace_seed(args.seed, k), vocab=vocab, min_state=args.min_state,
                                max_state=args.max_state)
@@ -411,6 +412,9 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
                 s["worker_stats"] = st
             except Exception as e:  # noqa: BLE001
                 s["worker_stats"] = {"error": str(e)}
+            ran = s["worker_stats"].get("engine", {}).get("steps", {}).get("steps")  # steps since start-up
+            s["device_idle"] = device_idle(s, None if ran is None else ran - steps_before)
+            steps_before = ran or 0
             s["moves"] = dict(sum((a.moves for a in trace.agents), Counter()))
             s["records"] = [[r.state_len, round(r.ms, 2), r.path or "failed", round(r.sent_s, 3)] for r in records]
             if check is not None and k == 0:
@@ -426,7 +430,8 @@ async def worker_phase(url: str, queue: str, args, vocab: tuple[int, int], out: 
                   f"new page p50 {s['latency_new_page']['p50_ms']} ms (n {s['latency_new_page']['n']}), "
                   + (f"from the start {f['rows_per_s']} rows/s p99 {f['latency']['p99_ms']} ms, " if f else "") +
                   f"reused {s['tokens_reused']} of unbounded {s['tokens_reused_unbounded']}, failed {s['failed']}, "
-                  f"GPU busy {s['gpu_busy_pct']}%, tokens computed a row {s['tokens_computed_per_row']}, "
+                  f"GPU busy {s['gpu_busy_pct']}%, device idle between steps {s['device_idle']}, "
+                  f"tokens computed a row {s['tokens_computed_per_row']}, "
                   f"device us a computed token {s['device_us_per_computed_token']}, "
                   f"worker timing {s['worker_stats'].get('worker', {}).get('timing')}, "
                   f"engine phases {s['worker_stats'].get('engine', {}).get('phases')}, "
@@ -441,6 +446,25 @@ def device_us_per_token(s: dict) -> float | None:
     if busy is None or not rate or not per_row:
         return None
     return round(busy / 100 * 1e6 / (rate * per_row), 1)
+
+
+def device_idle(s: dict, steps: int | None = None) -> dict | None:
+    """The device's idle time between the engine's steps, from a config's step log (statecache.step.STEP_LOG_FIELDS'
+    gap_ms beside device_ms; its last `steps` steps, those of this config where the log holds them): the idle share of
+    the logged stretch, the median gap and the gaps over 1 ms; None where the log has no gaps (an older tree)."""
+    log = s.get("worker_stats", {}).get("engine", {}).get("step_log", {})
+    f = log.get("fields") or []
+    if "gap_ms" not in f:
+        return None
+    rows = log.get("steps", [])[-steps:] if steps else log.get("steps", [])
+    ms, gap = f.index("device_ms"), f.index("gap_ms")
+    pairs = [(r[ms], r[gap]) for r in rows if r[gap] is not None]
+    if not pairs:
+        return None
+    idle, busy = sum(g for _, g in pairs), sum(m for m, _ in pairs)
+    gaps = sorted(g for _, g in pairs)
+    return {"steps": len(pairs), "idle_pct": round(100 * idle / (idle + busy), 2), "gap_p50_ms": gaps[len(gaps) // 2],
+            "gaps_over_1ms": sum(g > 1.0 for g in gaps)}
 
 
 def padding(s: dict) -> str | None:
@@ -682,6 +706,11 @@ def markdown(res: dict) -> str:
                       f"{n} agents: steps {ph.get('step_s', 0):.1f} s / {ph.get('steps', 0)} steps / "
                       f"{ph.get('step_rows', 0)} rows (CPU {ph.get('step_cpu_s', 0):.1f} s)"
                       for n, ph in phases if ph)]
+    idle = [(n, s.get("device_idle")) for n, s in cfgs.items()]
+    if any(d for _, d in idle):  # gaps between steps on the device (statecache.step.STEP_LOG_FIELDS' gap_ms)
+        lines += ["", "The device idle between steps, over each agents count's last logged steps (warm-up included): "
+                  + "; ".join(f"{n} agents: {d['idle_pct']}% of {d['steps']} steps' stretch, median gap "
+                              f"{d['gap_p50_ms']} ms, {d['gaps_over_1ms']} gaps over 1 ms" for n, d in idle if d)]
     timing = [(n, s.get("worker_stats", {}).get("worker", {}).get("timing")) for n, s in cfgs.items()]
     if any(t for _, t in timing):  # the worker's own split of a row's latency (worker.metrics.WorkerMetrics.timing)
         lines += ["", "Where a row's latency went in the worker, mean seconds since start-up (enqueue to reaching the "

@@ -56,9 +56,11 @@ CHUNK_TOKENS = 1024  # the most a new page advances in one step (capped at the b
 BUSY_SHARE = 0.75
 STEP_LOG = 1024  # the last steps `Steps.log` keeps
 # a logged step: its pieces, their tokens, the tokens its forwards ran (token buckets), its longest piece, its attention
-# query-key pairs in millions (each piece L * (start + L / 2)), and its device milliseconds (CUDA events around its
-# forwards; on the CPU their wall time): what bench/step_sim.py's cost model is read from (`fit_log`)
-STEP_LOG_FIELDS = ("pieces", "tokens", "padded", "longest", "attn_pairs_m", "device_ms")
+# query-key pairs in millions (each piece L * (start + L / 2)), its device milliseconds (CUDA events around its
+# forwards; on the CPU their wall time): what bench/step_sim.py's cost model is read from (`fit_log`), and the
+# milliseconds between the end of the step logged before it and its start (`gap_ms`: the device idle between them,
+# waiting for rows or for the host; None for the first)
+STEP_LOG_FIELDS = ("pieces", "tokens", "padded", "longest", "attn_pairs_m", "device_ms", "gap_ms")
 
 
 class RowFailed(Exception):
@@ -180,6 +182,7 @@ class Steps:
                                      0.0)
         self._flight: _Flight | None = None  # the step launched and not yet finished
         self.log: deque = deque(maxlen=STEP_LOG)  # the last steps, as STEP_LOG_FIELDS tuples
+        self._last_end = None  # the logged step's end mark: the next one's gap is measured from it
 
     # ---- which rows ----------------------------------------------------------------------------------------------
 
@@ -363,16 +366,20 @@ class Steps:
         if not flight.timing:
             return
         start, end, shape = flight.timing
+        last, self._last_end = self._last_end, None
         if isinstance(start, float):
             ms = 1e3 * (end - start)
+            gap = None if last is None else 1e3 * (start - last)
         else:
             try:
                 end.synchronize()
                 ms = start.elapsed_time(end)
+                gap = None if last is None else last.elapsed_time(start)
             except RuntimeError as e:  # a step whose time cannot be read is left out of the log
                 log.debug("a step's device time could not be read: %s", e)
                 return
-        self.log.append((*shape, round(ms, 3)))
+        self._last_end = end
+        self.log.append((*shape, round(ms, 3), None if gap is None else round(gap, 3)))
 
     def _unpin(self, flight: "_Flight") -> None:
         for c in flight.pinned:

@@ -91,9 +91,9 @@ def test_hits_and_grown_states_in_one_batch(pad):
     Tb = str(bucket(ran, runner.tokens) if pad else ran)  # the forward counted under its bucket, with its own tokens
     assert runner.stats["buckets"][Tb] == [a + b for a, b in zip(by_bucket.get(Tb, [0, 0]), [1, ran])]
     # the step's line in the log (STEP_LOG_FIELDS): 5 pieces, their tokens and the forward's, the longest (80), the
-    # attention pairs of each piece (L * (start + L / 2)), its time
-    pieces, tokens, padded_, longest, pairs, ms = steps.log[-1]
-    assert (pieces, tokens, padded_, longest) == (5, ran, int(Tb), 80) and ms > 0
+    # attention pairs of each piece (L * (start + L / 2)), its time, the time since the step before it ended
+    pieces, tokens, padded_, longest, pairs, ms, gap = steps.log[-1]
+    assert (pieces, tokens, padded_, longest) == (5, ran, int(Tb), 80) and ms > 0 and gap > 0
     starts = [(300, 20), (314, 1), (307, 42), (321, 64), (300, 80)]  # each piece's start and tokens
     assert pairs == round(sum(L * (s + L / 2) for s, L in starts) / 1e6, 4)
     # the grown state's checkpoint is there: its next question is a hit on 337

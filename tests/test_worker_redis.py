@@ -118,7 +118,9 @@ def test_bad_rows_raise_row_rejected_and_the_worker_goes_on(redis_url, queue_nam
         result, stats = run(main())
     assert "probs" in result and stats["engine"]["rows"] >= 3 and stats["worker"]["batches"] >= 3
     log = stats["engine"]["step_log"]  # the engine's last steps ride in the stats job's answer (not in its snapshots)
-    assert log["fields"][-1] == "device_ms" and log["steps"] and all(s[-1] > 0 for s in log["steps"])
+    ms, gap = log["fields"].index("device_ms"), log["fields"].index("gap_ms")
+    assert log["steps"] and all(s[ms] > 0 for s in log["steps"])
+    assert log["steps"][0][gap] is None and all(s[gap] >= 0 for s in log["steps"][1:])  # from the step before's end
 
 
 def test_timeout_without_a_worker(redis_url, queue_name):
