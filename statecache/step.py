@@ -58,8 +58,8 @@ STEP_LOG = 1024  # the last steps `Steps.log` keeps
 # a logged step: its pieces, their tokens, the tokens its forwards ran (token buckets), its longest piece, its attention
 # query-key pairs in millions (each piece L * (start + L / 2)), its device milliseconds (CUDA events around its
 # forwards; on the CPU their wall time): what bench/step_sim.py's cost model is read from (`fit_log`), and the
-# milliseconds between the end of the step logged before it and its start (`gap_ms`: the device idle between them,
-# waiting for rows or for the host; None for the first)
+# milliseconds between the end of the step logged before it and its start (`gap_ms`: the device between them, idle
+# for want of rows or of the host, or copying what a finished step planted; None for the first)
 STEP_LOG_FIELDS = ("pieces", "tokens", "padded", "longest", "attn_pairs_m", "device_ms", "gap_ms")
 
 
