@@ -456,7 +456,9 @@ def device_idle(s: dict, steps: int | None = None) -> dict | None:
     f = log.get("fields") or []
     if "gap_ms" not in f:
         return None
-    rows = log.get("steps", [])[-steps:] if steps else log.get("steps", [])
+    rows = log.get("steps", [])
+    if steps is not None:
+        rows = rows[-steps:] if steps > 0 else []
     ms, gap = f.index("device_ms"), f.index("gap_ms")
     pairs = [(r[ms], r[gap]) for r in rows if r[gap] is not None]
     if not pairs:
@@ -676,7 +678,8 @@ def markdown(res: dict) -> str:
     if any(m for _, m, _ in mem):
         lines += ["Device memory after each agents count (MiB; the caching allocator's retries, device frees and "
                   "syncs since start-up): " + "; ".join(
-                      f"{n} agents: peak {m['peak_allocated']:,.0f}, reserved {m['reserved']:,.0f}, free {m['free']:,.0f}"
+                      f"{n} agents: peak {m['peak_allocated']:,.0f}, reserved {m['reserved']:,.0f}, "
+                      f"free {m['free']:,.0f}"
                       + (f", retries {a['alloc_retries']}, frees {a['device_frees']}, syncs {a['syncs']}" if a else "")
                       for n, m, a in mem if m), ""]
     lines += ["| agents | rows/s | rows | failed | memo | hit | partial | cold | plain | p50 ms | p99 ms | hit p50 ms | "

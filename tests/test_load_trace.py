@@ -129,6 +129,26 @@ def test_padding_reads_the_runner_counts():
     assert L.padding(s) == "1500 / 2048 (26.8% padding); by bucket 1536: 1 forwards 28.4%, 512: 1 forwards 21.9%"
 
 
+def test_load_bench_reads_the_device_idle_between_steps_off_the_step_log():
+    """load_bench's device_idle: the gaps between steps (statecache.step.STEP_LOG_FIELDS' gap_ms) against the steps'
+    device time, over a config's own last steps; the first step's gap (None) left out; a log without gaps gives
+    None."""
+    L = _bench()
+    from statecache.step import STEP_LOG_FIELDS
+
+    f = list(STEP_LOG_FIELDS)
+    step = lambda ms, gap: [dict(device_ms=ms, gap_ms=gap).get(k, 1) for k in f]  # noqa: E731
+    log = [step(50.0, None), step(50.0, 0.5), step(40.0, 10.0), step(30.0, 2.0)]
+    cfg = {"worker_stats": {"engine": {"step_log": {"fields": f, "steps": log}}}}
+    assert L.device_idle(cfg) == {"steps": 3, "idle_pct": round(100 * 12.5 / 132.5, 2), "gap_p50_ms": 2.0,
+                                  "gaps_over_1ms": 2}
+    assert L.device_idle(cfg, 2) == {"steps": 2, "idle_pct": round(100 * 12 / 82, 2), "gap_p50_ms": 10.0,
+                                     "gaps_over_1ms": 2}
+    assert L.device_idle(cfg, 0) is None  # no step of this config logged
+    cfg["worker_stats"]["engine"]["step_log"] = {"fields": f[:-1], "steps": [r[:-1] for r in log]}
+    assert L.device_idle(cfg) is None  # a tree before gap_ms
+
+
 def test_the_simulator_plants_fork_points_as_the_engine_does():
     """bench/step_sim.py replays load_bench's trace through the real scheduler; a new page after the same goal and
     steps restores the agent's shared head from the checkpoint planted where an earlier new page left it (the fork
