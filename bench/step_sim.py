@@ -150,7 +150,7 @@ def fit() -> tuple[CostModel, list]:
     floor, coef = min(((f, _lstsq(graph, f)) for f in range(0, 513, 16)), key=lambda t: t[1][1])
     coef = coef[0]
     H = np.array([[1.0, k] for k, _ in host])
-    hcoef = np.maximum(np.linalg.lstsq(H, np.array([h for _, h in host]), rcond=None)[0], 0)
+    hcoef = _nonnegative(H, np.array([h for _, h in host]))
     model = CostModel(tuple(float(c) for c in coef), tuple(float(c) for c in hcoef), floor)
     rows = []
     for k, t, pr, ms, src in graph:

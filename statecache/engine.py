@@ -563,10 +563,19 @@ class Engine:
                           "scheduler": dict(self.steps.sched.stats)},
                 **({"vision": dict(self.embeddings.stats, cached=len(self.embeddings))} if self.embeddings else {})}
 
-    def step_log(self) -> dict:
-        """The last steps the loop ran (statecache.step.Steps.log): their shapes and device times, by
-        STEP_LOG_FIELDS. Apart from `stats()`, which the worker snapshots after every batch."""
-        return {"fields": list(STEP_LOG_FIELDS), "steps": [list(x) for x in self.steps.log]}
+    def details(self) -> dict:
+        """What a look inside adds to `stats()`, apart from it because the worker snapshots `stats()` after every
+        batch: the last steps the loop ran (statecache.step.Steps.log: their shapes and device times, by
+        STEP_LOG_FIELDS) and, on CUDA, the caching allocator's calls to the driver (a request it could not serve from
+        its blocks frees them and asks again, `alloc_retries`; freeing device memory waits for the whole device,
+        `device_frees` and `syncs`: the stalls the allocator puts between steps)."""
+        out: dict = {"step_log": {"fields": list(STEP_LOG_FIELDS), "steps": [list(x) for x in self.steps.log]}}
+        if self.device.type == "cuda":
+            ms = torch.cuda.memory_stats_as_nested_dict(self.device)
+            out["allocator"] = {"alloc_retries": ms.get("num_alloc_retries", 0), "ooms": ms.get("num_ooms", 0),
+                                "device_allocs": ms.get("num_device_alloc", 0),
+                                "device_frees": ms.get("num_device_free", 0), "syncs": ms.get("num_sync_all_streams", 0)}
+        return out
 
     def recheck_memory(self) -> int:
         """Re-size the cache's budget from the device's free memory now (statecache.cache.budget.rebudget; CUDA, budget
@@ -612,17 +621,10 @@ class Engine:
             return {}
         mib = lambda b: round(b / 2**20, 1)  # noqa: E731
         free, total = torch.cuda.mem_get_info(self.device)
-        # the caching allocator's calls to the driver: a request it could not serve from its blocks frees them and
-        # asks again (`alloc_retries`); freeing device memory waits for the whole device (`device_frees`,
-        # `syncs`), so these count the stalls the allocator puts between steps
-        ms = torch.cuda.memory_stats_as_nested_dict(self.device)
         return {"device_memory_mb": {"allocated": mib(torch.cuda.memory_allocated(self.device)),
                                      "reserved": mib(torch.cuda.memory_reserved(self.device)),
                                      "peak_allocated": mib(torch.cuda.max_memory_allocated(self.device)),
-                                     "free": mib(free), "total": mib(total)},
-                "allocator": {"alloc_retries": ms.get("num_alloc_retries", 0), "ooms": ms.get("num_ooms", 0),
-                              "device_allocs": ms.get("num_device_alloc", 0),
-                              "device_frees": ms.get("num_device_free", 0), "syncs": ms.get("num_sync_all_streams", 0)}}
+                                     "free": mib(free), "total": mib(total)}}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -280,7 +280,7 @@ async def stats(ctx: dict) -> dict:
     gpu: GpuThread = ctx["gpu"]
     backlog: Backlog = ctx["backlog"]
     engine_stats = await gpu.call(lambda engine: {**engine.stats(), **(
-        {"step_log": engine.step_log()} if hasattr(engine, "step_log") else {})})  # the last steps (an engine's option)
+        engine.details() if hasattr(engine, "details") else {})})  # the last steps and more (an engine's option)
     return {
         "engine": engine_stats,
         "worker": {**gpu.counters, "pending": gpu.pending(), "queued": backlog.queued, "in_flight": backlog.in_flight,
